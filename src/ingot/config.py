@@ -1,0 +1,279 @@
+"""Engine configuration: one place that resolves and validates every knob.
+
+``EngineArgs`` holds what the user typed (CLI flags / ``LLM(...)`` keywords, vLLM's names);
+``EngineArgs.create_engine_config()`` resolves defaults against the model and validates, giving
+an immutable-by-convention ``EngineConfig``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ingot.errors import ModelNotFoundError
+
+logger = logging.getLogger("ingot")
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype | None:
+    """None means "auto"."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return None
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class ModelConfig:
+    model: str  # resolved local path (HF directory or .gguf file)
+    format: str  # "hf" or "gguf"
+    hf_config: Any
+    dtype: torch.dtype
+    max_model_len: int
+    tokenizer: str
+    skip_tokenizer_init: bool
+    seed: int
+    hf_overrides: dict[str, Any]
+    served_model_name: str
+    generation_config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+    @property
+    def architecture(self) -> str:
+        return (getattr(self.hf_config, "architectures", None) or ["?"])[0]
+
+
+@dataclass
+class CacheConfig:
+    block_size: int
+    num_gpu_blocks_override: int | None
+    kv_cache_memory_bytes: int | None
+    kv_cache_dtype: str
+    num_blocks: int | None = None  # decided by the worker from the memory budget
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    device: str
+    additional_config: dict[str, Any]
+
+
+def resolve_model_path(model: str | None) -> tuple[str, str]:
+    """(local path, format). No downloads: a path that does not exist is an error."""
+    if model is None:
+        from ingot.model_executor.loader.gguf_loader import default_model_path
+
+        return default_model_path(), "gguf"
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(
+            f"model path {model!r} does not exist; pass a local Hugging Face model directory or "
+            "a .gguf file (ingot never downloads models)"
+        )
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelNotFoundError(f"model file {model!r} is not a .gguf file")
+        return str(path), "gguf"
+    if (path / "config.json").exists():
+        return str(path), "hf"
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return str(ggufs[0]), "gguf"
+    raise ModelNotFoundError(
+        f"model directory {model!r} has no config.json (and not exactly one .gguf file)"
+    )
+
+
+def _load_hf_config(path: str, fmt: str) -> tuple[Any, dict[str, Any]]:
+    if fmt == "gguf":
+        from ingot.model_executor.loader.gguf_loader import load_gguf
+
+        gguf_model = load_gguf(path)
+        return gguf_model.config, dict(gguf_model.generation_config)
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError, OSError) as exc:
+        raise ModelNotFoundError(f"cannot read {path}/config.json: {exc}") from exc
+    gen: dict[str, Any] = {}
+    gen_path = Path(path) / "generation_config.json"
+    if gen_path.exists():
+        gen = json.loads(gen_path.read_text())
+    return config, gen
+
+
+def _auto_dtype(hf_config: Any, fmt: str, platform: Any) -> torch.dtype:
+    """vLLM's rule: keep bf16/fp16 checkpoints, cast fp32 checkpoints down to half precision;
+    on platforms without that dtype fall back to the platform default."""
+    declared = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(declared, str):
+        declared = _DTYPES.get(declared)
+    preferred = platform.default_dtype()
+    if declared in (torch.bfloat16, torch.float16) and declared in platform.supported_dtypes:
+        return declared
+    return preferred
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    block_size: int = 32
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    kv_cache_dtype: str = "auto"
+    device: str = "auto"
+    hf_overrides: dict[str, Any] | str | None = None
+    additional_config: dict[str, Any] | str | None = None
+    served_model_name: str | None = None
+
+    @staticmethod
+    def _json_arg(name: str, value: dict[str, Any] | str | None) -> dict[str, Any]:
+        if value is None:
+            return {}
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{name} is not valid JSON: {exc}") from exc
+        if not isinstance(value, dict):
+            raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}")
+        return value
+
+    def create_engine_config(self) -> EngineConfig:
+        from ingot.platforms import resolve_platform
+
+        platform = resolve_platform(self.device)
+        path, fmt = resolve_model_path(self.model)
+        hf_config, generation_config = _load_hf_config(path, fmt)
+        hf_overrides = self._json_arg("hf_overrides", self.hf_overrides)
+        for key, value in hf_overrides.items():
+            setattr(hf_config, key, value)
+        from ingot.model_executor.models.registry import resolve_model_class
+
+        resolve_model_class(hf_config)  # fail early with the supported list
+
+        dtype = parse_dtype(self.dtype) or _auto_dtype(hf_config, fmt, platform)
+        platform.check_dtype(dtype)
+
+        derived_max = int(getattr(hf_config, "max_position_embeddings", 2048))
+        max_model_len = self.max_model_len if self.max_model_len is not None else derived_max
+        _positive("max_model_len", max_model_len)
+        if max_model_len > derived_max:
+            raise ValueError(
+                f"max_model_len {max_model_len} is larger than the model's "
+                f"max_position_embeddings ({derived_max}); lower --max-model-len"
+            )
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("block_size", self.block_size)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        max_batched = self.max_num_batched_tokens
+        if max_batched is None:
+            max_batched = 2048 if self.enable_chunked_prefill else max(max_model_len, 2048)
+        _positive("max_num_batched_tokens", max_batched)
+        if not self.enable_chunked_prefill and max_batched < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_batched}) is smaller than max_model_len "
+                f"({max_model_len}) with chunked prefill off: a long prompt could never run; "
+                "raise --max-num-batched-tokens or enable chunked prefill"
+            )
+        if max_batched < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_batched}) must be >= max_num_seqs "
+                f"({self.max_num_seqs})"
+            )
+        if self.num_gpu_blocks_override is not None:
+            _positive("num_gpu_blocks_override", self.num_gpu_blocks_override)
+        if self.kv_cache_memory_bytes is not None:
+            _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        if self.kv_cache_dtype not in ("auto",):
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; use auto")
+
+        model_config = ModelConfig(
+            model=path,
+            format=fmt,
+            hf_config=hf_config,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            tokenizer=self.tokenizer or path,
+            skip_tokenizer_init=self.skip_tokenizer_init,
+            seed=self.seed,
+            hf_overrides=hf_overrides,
+            served_model_name=self.served_model_name or _default_served_name(path),
+            generation_config=generation_config,
+        )
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                kv_cache_dtype=self.kv_cache_dtype,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=max_batched,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+            ),
+            device=platform.name,
+            additional_config=self._json_arg("additional_config", self.additional_config),
+        )
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+
+def _positive(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _default_served_name(path: str) -> str:
+    name = os.path.basename(path.rstrip("/"))
+    return name[: -len(".gguf")] if name.endswith(".gguf") else name

@@ -1,0 +1,98 @@
+"""Block KV cache bookkeeping: a pool of fixed-size blocks and each request's block list.
+
+Block 0 is the null block: never handed out, it is where padded block-table columns point, so a
+padded read always lands on valid memory and a padded write never happens (slot -1).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+NULL_BLOCK_ID = 0
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"the KV cache needs at least 2 blocks, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._free: deque[int] = deque(range(1, num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise RuntimeError(f"out of KV blocks: asked for {n}, {len(self._free)} free")
+        return [self._free.popleft() for _ in range(n)]
+
+    def free(self, block_ids: list[int]) -> None:
+        self._free.extend(block_ids)
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
+
+
+class KVCacheManager:
+    """Allocates blocks to requests as their token count grows.
+
+    Admission reserves a request's worst case (prompt + max new tokens, capped at max_model_len)
+    so that, without preemption, an admitted request can always finish.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.pool = BlockPool(num_blocks)
+        self.req_blocks: dict[str, list[int]] = {}
+        self._reserved: dict[str, int] = {}  # request -> blocks it may still need
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def worst_case_blocks(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
+        total = num_prompt_tokens + (max_tokens if max_tokens is not None else self.max_model_len)
+        return self.blocks_for(min(total, self.max_model_len))
+
+    def can_admit(self, num_prompt_tokens: int, max_tokens: int | None) -> bool:
+        outstanding = sum(self._reserved.values())
+        need = self.worst_case_blocks(num_prompt_tokens, max_tokens)
+        return need <= self.pool.num_free_blocks - outstanding
+
+    def fits_at_all(self, num_prompt_tokens: int, max_tokens: int | None) -> bool:
+        return self.worst_case_blocks(num_prompt_tokens, max_tokens) <= self.pool.num_usable_blocks
+
+    def admit(self, request_id: str, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        self.req_blocks[request_id] = []
+        self._reserved[request_id] = self.worst_case_blocks(num_prompt_tokens, max_tokens)
+
+    def allocate_slots(self, request_id: str, num_total_tokens: int) -> list[int]:
+        """Grow the request's blocks to hold ``num_total_tokens``; returns its block ids."""
+        blocks = self.req_blocks[request_id]
+        need = self.blocks_for(num_total_tokens) - len(blocks)
+        if need > 0:
+            blocks.extend(self.pool.allocate(need))
+            self._reserved[request_id] = max(self._reserved[request_id] - need, 0)
+        return blocks
+
+    def free(self, request_id: str) -> None:
+        blocks = self.req_blocks.pop(request_id, None)
+        self._reserved.pop(request_id, None)
+        if blocks:
+            self.pool.free(blocks)
+
+    def usage(self) -> float:
+        return self.pool.usage()

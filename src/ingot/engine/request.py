@@ -1,0 +1,74 @@
+"""Engine-side request state."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from ingot.engine.detokenizer import IncrementalDetokenizer
+from ingot.engine.outputs import Logprob, PromptLogprobs, RequestMetrics, SampleLogprobs
+from ingot.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+        detokenizer: IncrementalDetokenizer | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
+        self.detokenizer = detokenizer
+        self.logprobs: SampleLogprobs | None = [] if sampling_params.logprobs is not None else None
+        self.cumulative_logprob: float | None = (
+            0.0 if sampling_params.logprobs is not None else None
+        )
+        self.prompt_logprobs: PromptLogprobs | None = (
+            [None] if sampling_params.prompt_logprobs is not None else None
+        )
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_logprobs(self, entries: dict[int, Logprob], sampled_logprob: float) -> None:
+        assert self.logprobs is not None and self.cumulative_logprob is not None
+        self.logprobs.append(entries)
+        self.cumulative_logprob += sampled_logprob

@@ -1,0 +1,116 @@
+"""Attention over the paged KV cache, on plain torch ops.
+
+The batch arrives flattened: ``T`` query tokens of ``B`` requests laid end to end
+(``query_start_loc``). New K/V rows are written into the cache through ``slot_mapping``
+(slot = block_id * block_size + offset; -1 = do not write, used for padding). Each request then
+reads its whole context through its row of ``block_table``: the query tokens are scattered into a
+[B, Qmax] grid, keys gathered into [B, W * block_size], and one batched SDPA call runs with a
+causal mask built from the absolute positions. No Python loop over requests or tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64, -1 = padding (never written)
+    block_table: torch.Tensor  # [B, W] int32/int64 block ids; unused columns may hold any block
+    query_start_loc: torch.Tensor  # [B + 1] int64
+    max_query_len: int
+    # [T] index of each token in the padded [B * max_query_len] query grid
+    token_to_grid: torch.Tensor
+    # [B, max_query_len] absolute position of each grid slot; empty slots hold 0
+    grid_positions: torch.Tensor
+    num_actual_tokens: int
+    num_reqs: int
+
+    @classmethod
+    def build(
+        cls,
+        positions: torch.Tensor,
+        query_lens: list[int],
+        slot_mapping: torch.Tensor,
+        block_table: torch.Tensor,
+    ) -> AttentionMetadata:
+        """Derive the grid layout from per-request query lengths (host side, O(T))."""
+        device = positions.device
+        num_reqs = len(query_lens)
+        max_q = max(query_lens) if query_lens else 1
+        lens = torch.tensor(query_lens, dtype=torch.int64)
+        qsl = torch.zeros(num_reqs + 1, dtype=torch.int64)
+        torch.cumsum(lens, 0, out=qsl[1:])
+        total = int(qsl[-1])
+        req_of_token = torch.repeat_interleave(torch.arange(num_reqs), lens)
+        offset = torch.arange(total) - qsl[:-1][req_of_token]
+        token_to_grid = (req_of_token * max_q + offset).to(device)
+        grid_positions = torch.zeros(num_reqs * max_q, dtype=torch.int64, device=device)
+        grid_positions[token_to_grid] = positions[:total].to(torch.int64)
+        return cls(
+            slot_mapping=slot_mapping,
+            block_table=block_table,
+            query_start_loc=qsl.to(device),
+            max_query_len=max_q,
+            token_to_grid=token_to_grid,
+            grid_positions=grid_positions.view(num_reqs, max_q),
+            num_actual_tokens=total,
+            num_reqs=num_reqs,
+        )
+
+
+def write_kv_cache(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """kv_cache: [2, num_blocks, block_size, Hkv, D]; key/value: [T, Hkv, D]."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key[valid].to(kv_cache.dtype))
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(
+        0, slots, value[valid].to(kv_cache.dtype)
+    )
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """query [T, H, D], key/value [T, Hkv, D] -> output [T, H * D] (rows past the actual tokens
+    are zero)."""
+    num_tokens, num_heads, head_dim = query.shape
+    write_kv_cache(kv_cache, key, value, meta.slot_mapping)
+
+    num_reqs, max_q = meta.num_reqs, meta.max_query_len
+    n = meta.num_actual_tokens
+    grid = query.new_zeros(num_reqs * max_q, num_heads, head_dim)
+    grid[meta.token_to_grid] = query[:n]
+    q = grid.view(num_reqs, max_q, num_heads, head_dim).transpose(1, 2)
+
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    ctx_len = meta.block_table.shape[1] * block_size
+    k = kv_cache[0][meta.block_table].view(num_reqs, ctx_len, num_kv_heads, head_dim)
+    v = kv_cache[1][meta.block_table].view(num_reqs, ctx_len, num_kv_heads, head_dim)
+    k = k.transpose(1, 2).to(query.dtype)
+    v = v.transpose(1, 2).to(query.dtype)
+
+    key_pos = torch.arange(ctx_len, device=query.device)
+    qpos = meta.grid_positions.unsqueeze(-1)
+    mask = key_pos <= qpos
+    if sliding_window is not None:
+        mask &= key_pos > qpos - sliding_window
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=num_heads != num_kv_heads
+    )
+    out = out.transpose(1, 2).reshape(num_reqs * max_q, num_heads * head_dim)
+    result = query.new_zeros(num_tokens, num_heads * head_dim)
+    result[:n] = out[meta.token_to_grid]
+    return result

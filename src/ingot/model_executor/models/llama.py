@@ -1,0 +1,242 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm).
+
+One implementation, switched by config: the four architectures differ only in biases, per-head
+q/k RMSNorm and sliding-window attention. Projections are fused (QKV and gate-up); the separate
+checkpoint tensors land in their shard through each parameter's ``weight_loader``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ingot.model_executor.layers.attention import AttentionMetadata, paged_attention
+from ingot.model_executor.layers.layernorm import RMSNorm
+from ingot.model_executor.layers.linear import (
+    MergedLinear,
+    QKVLinear,
+    ReplicatedLinear,
+    default_weight_loader,
+)
+from ingot.model_executor.layers.rotary import RotaryEmbedding, rope_parameters_of
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class DecoderAttention(nn.Module):
+    def __init__(
+        self, config: Any, rotary: RotaryEmbedding, qk_norm: bool, biases: tuple[bool, bool]
+    ) -> None:
+        super().__init__()
+        qkv_bias, o_bias = biases
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(config)
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = QKVLinear(
+            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=qkv_bias
+        )
+        self.o_proj = ReplicatedLinear(self.num_heads * self.head_dim, config.hidden_size, o_bias)
+        self.rotary = rotary
+        eps = config.rms_norm_eps
+        self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
+        self.sliding_window: int | None = None
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+        return self.o_proj(out)
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias=bias)
+        self.down_proj = ReplicatedLinear(size, config.hidden_size, bias=bias)
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported; only 'silu' is")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, config: Any, rotary: RotaryEmbedding, qk_norm: bool, biases: tuple[bool, bool]
+    ) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(config, rotary, qk_norm, biases)
+        self.mlp = DecoderMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: Any, qk_norm: bool, biases: tuple[bool, bool]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens.weight.weight_loader = default_weight_loader
+        rotary = RotaryEmbedding(
+            head_dim_of(config), config.max_position_embeddings, rope_parameters_of(config)
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, rotary, qk_norm, biases) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Also serves MistralForCausalLM; subclasses switch on Qwen's differences."""
+
+    qk_norm = False
+
+    # checkpoint name fragment -> (fused parameter fragment, shard id)
+    stacked_params = (
+        (".q_proj", ".qkv_proj", "q"),
+        (".k_proj", ".qkv_proj", "k"),
+        (".v_proj", ".qkv_proj", "v"),
+        (".gate_proj", ".gate_up_proj", 0),
+        (".up_proj", ".gate_up_proj", 1),
+    )
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, self.qk_norm, self._biases(config))
+        window = self._sliding_window(config)
+        for layer in self.model.layers:
+            layer.self_attn.sliding_window = window
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size)
+
+    def _biases(self, config: Any) -> tuple[bool, bool]:
+        """(bias on q/k/v, bias on o_proj)."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias
+
+    def _sliding_window(self, config: Any) -> int | None:
+        return None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors; returns the set of parameter names that were filled."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the head
+            for ckpt_part, fused_part, shard_id in self.stacked_params:
+                if ckpt_part in name:
+                    target = name.replace(ckpt_part, fused_part)
+                    if target not in params:
+                        raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+                    param = params[target]
+                    param.weight_loader(param, tensor, shard_id)
+                    loaded.add(target)
+                    break
+            else:
+                if name not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+                param = params[name]
+                param.weight_loader(param, tensor)
+                loaded.add(name)
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]}")
+        return loaded
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    def _sliding_window(self, config: Any) -> int | None:
+        return getattr(config, "sliding_window", None)
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    def _biases(self, config: Any) -> tuple[bool, bool]:
+        return True, False
+
+    def _sliding_window(self, config: Any) -> int | None:
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError("Qwen sliding-window attention (use_sliding_window) is not supported")
+        return None
+
+
+class Qwen3ForCausalLM(Qwen2ForCausalLM):
+    qk_norm = True
+
+    def _biases(self, config: Any) -> tuple[bool, bool]:
+        return LlamaForCausalLM._biases(self, config)

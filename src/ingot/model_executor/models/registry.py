@@ -1,0 +1,35 @@
+"""Architecture name (HF ``config.architectures[0]``) -> model class."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ingot.model_executor.models import llama
+
+_MODELS: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": llama.LlamaForCausalLM,
+    "MistralForCausalLM": llama.MistralForCausalLM,
+    "Qwen2ForCausalLM": llama.Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": llama.Qwen3ForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def register_model(architecture: str, model_cls: type[nn.Module]) -> None:
+    _MODELS[architecture] = model_cls
+
+
+def resolve_model_class(config: Any) -> type[nn.Module]:
+    architectures = list(getattr(config, "architectures", None) or [])
+    for arch in architectures:
+        if arch in _MODELS:
+            return _MODELS[arch]
+    raise ValueError(
+        f"model architecture {architectures or '(none given)'} is not supported; "
+        f"supported: {', '.join(supported_architectures())}"
+    )

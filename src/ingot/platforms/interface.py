@@ -1,0 +1,90 @@
+"""The ``Platform`` interface: everything the engine needs to know about the device it runs on.
+
+A platform is used as a class, never instantiated: ``resolve_platform()`` returns
+``type[Platform]`` and every member is a class attribute or classmethod, so there is no state to
+keep in sync between workers.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import ClassVar
+
+import torch
+
+DeviceLike = torch.device | str | int | None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``, the spelling users type on the command line."""
+    return str(dtype).removeprefix("torch.")
+
+
+class Platform:
+    """Base class for platforms; subclasses fill in the class attributes and override hooks."""
+
+    name: ClassVar[str] = "base"
+    device_type: ClassVar[str] = "cpu"
+    dist_backend: ClassVar[str] = "gloo"
+    compile_backend: ClassVar[str] = "inductor"
+    # Ordered by preference, so error messages list the best choice first.
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32,)
+
+    @classmethod
+    def is_available(cls) -> bool:
+        raise NotImplementedError(f"{cls.__name__}.is_available")
+
+    @classmethod
+    def device(cls, index: int = 0) -> torch.device:
+        return torch.device(cls.device_type, index)
+
+    @classmethod
+    def supports_bf16(cls) -> bool:
+        """Whether bf16 runs at full speed here (not merely emulated)."""
+        return False
+
+    @classmethod
+    def default_dtype(cls) -> torch.dtype:
+        # bf16 halves memory and keeps fp32's range; only worth it with hardware support.
+        if torch.bfloat16 in cls.supported_dtypes and cls.supports_bf16():
+            return torch.bfloat16
+        return torch.float32
+
+    @classmethod
+    def check_dtype(cls, dtype: torch.dtype) -> torch.dtype:
+        """Return ``dtype`` if this platform can run it, else raise ``ValueError``."""
+        if dtype not in cls.supported_dtypes:
+            choices = ", ".join(dtype_name(d) for d in cls.supported_dtypes)
+            raise ValueError(
+                f"dtype {dtype_name(dtype)} is not supported on platform {cls.name}; "
+                f"use one of {choices}"
+            )
+        return dtype
+
+    @classmethod
+    def total_memory_bytes(cls, device: DeviceLike = None) -> int:
+        raise NotImplementedError(f"{cls.__name__}.total_memory_bytes")
+
+    @classmethod
+    def available_memory_bytes(cls, device: DeviceLike = None) -> int:
+        raise NotImplementedError(f"{cls.__name__}.available_memory_bytes")
+
+    @classmethod
+    def synchronize(cls, device: DeviceLike = None) -> None:
+        """Wait for queued device work; a no-op where execution is synchronous."""
+
+    @classmethod
+    def empty_cache(cls) -> None:
+        """Return cached allocator blocks to the device; a no-op without a caching allocator."""
+
+    @classmethod
+    def seed_everything(cls, seed: int) -> None:
+        random.seed(seed)
+        try:
+            import numpy as np
+        except ImportError:  # numpy is a dependency, but seeding must not be what breaks
+            pass
+        else:
+            np.random.seed(seed)
+        # Seeds the CPU generator and, lazily, every CUDA device's generator too.
+        torch.manual_seed(seed)

@@ -1,0 +1,52 @@
+"""Tiny random-weight HF models built in-process (fixed seed), saved as HF directories."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+
+BASE = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def make_tiny_model(arch: str, path: Path, seed: int = 0, **overrides: Any) -> Path:
+    config_cls, model_cls = (getattr(transformers, n) for n in ARCHS[arch])
+    kwargs = {**BASE, **overrides}
+    if arch == "qwen3":
+        kwargs.setdefault("head_dim", 16)
+    config = config_cls(**kwargs)
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32).eval()
+    # HF inits some weights to ones/zeros; randomise norms and biases too so every
+    # parameter is checked.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def hf_model(path: Path) -> Any:
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
