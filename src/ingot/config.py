@@ -190,8 +190,7 @@ class EngineArgs:
         path, fmt = resolve_model_path(self.model)
         hf_config, generation_config = _load_hf_config(path, fmt)
         hf_overrides = self._json_arg("hf_overrides", self.hf_overrides)
-        for key, value in hf_overrides.items():
-            setattr(hf_config, key, value)
+        apply_hf_overrides(hf_config, hf_overrides)
         from ingot.model_executor.models.registry import resolve_model_class
 
         resolve_model_class(hf_config)  # fail early with the supported list
@@ -267,6 +266,22 @@ class EngineArgs:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
+
+
+def apply_hf_overrides(hf_config: Any, overrides: dict[str, Any]) -> None:
+    """Set config attributes; rope settings also go into ``rope_parameters`` (transformers 5
+    reads them from there, so a bare ``rope_theta`` attribute alone would be ignored)."""
+    for key, value in overrides.items():
+        current = getattr(hf_config, key, None)
+        if isinstance(current, dict) and isinstance(value, dict):
+            value = {**current, **value}
+        setattr(hf_config, key, value)
+        rope = getattr(hf_config, "rope_parameters", None)
+        if isinstance(rope, dict):
+            if key == "rope_theta":
+                rope["rope_theta"] = value
+            elif key == "rope_scaling" and isinstance(value, dict):
+                rope.update(value)
 
 
 def _positive(name: str, value: Any) -> None:

@@ -1,0 +1,77 @@
+"""Drive an ingot model directly over a paged KV cache: prefill (optionally in chunks and beside
+other requests) then teacher-forced decode steps, returning the logits of every step."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ingot.config import EngineArgs
+from ingot.model_executor.layers.attention import AttentionMetadata
+from ingot.model_executor.loader.model_loader import load_model
+from ingot.model_executor.models.llama import head_dim_of
+
+
+class PagedHarness:
+    def __init__(self, model_dir: Path | str, block_size: int = 4, num_blocks: int = 64, **args: Any):
+        config = EngineArgs(
+            model=str(model_dir), dtype="float32", skip_tokenizer_init=True, block_size=block_size, **args
+        ).create_engine_config()
+        self.hf_config = config.model_config.hf_config
+        self.model = load_model(config.model_config, torch.device("cpu"))
+        hf = self.hf_config
+        shape = (2, num_blocks, block_size, hf.num_key_value_heads, head_dim_of(hf))
+        self.kv = [torch.zeros(shape) for _ in range(hf.num_hidden_layers)]
+        self.block_size = block_size
+        # Hand blocks out in a shuffled order so requests own non-contiguous blocks.
+        self.free = list(range(1, num_blocks))
+        random.Random(0).shuffle(self.free)
+        self.blocks: dict[int, list[int]] = {}
+
+    def _ensure_blocks(self, req: int, num_tokens: int) -> list[int]:
+        blocks = self.blocks.setdefault(req, [])
+        while len(blocks) * self.block_size < num_tokens:
+            blocks.append(self.free.pop())
+        return blocks
+
+    @torch.inference_mode()
+    def step(self, batch: list[tuple[int, list[int], int]]) -> list[torch.Tensor]:
+        """batch: (request key, token ids, start position). Returns logits [n_i, V] per request."""
+        bs = self.block_size
+        input_ids, positions, slots, query_lens = [], [], [], []
+        tables = []
+        for req, tokens, start in batch:
+            blocks = self._ensure_blocks(req, start + len(tokens))
+            tables.append(blocks)
+            for i, t in enumerate(tokens):
+                p = start + i
+                input_ids.append(t)
+                positions.append(p)
+                slots.append(blocks[p // bs] * bs + p % bs)
+            query_lens.append(len(tokens))
+        width = max(len(t) for t in tables)
+        block_table = torch.zeros(len(batch), width, dtype=torch.int64)
+        for row, t in enumerate(tables):
+            block_table[row, : len(t)] = torch.tensor(t)
+        pos = torch.tensor(positions)
+        meta = AttentionMetadata.build(pos, query_lens, torch.tensor(slots), block_table)
+        hidden = self.model(torch.tensor(input_ids), pos, self.kv, meta)
+        logits = self.model.compute_logits(hidden)
+        return list(logits.split(query_lens))
+
+
+def hf_logits(hf_model: Any, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(torch.tensor([token_ids])).logits[0].float()
+
+
+def hf_greedy(hf_model: Any, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = hf_model.generate(
+            torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
