@@ -50,3 +50,27 @@ def make_tiny_model(arch: str, path: Path, seed: int = 0, **overrides: Any) -> P
 
 def hf_model(path: Path) -> Any:
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def make_byte_tokenizer(path: Path) -> Any:
+    """A byte-level tokenizer (ids 0-2 special, then the 256 byte symbols, no merges): every
+    UTF-8 byte is its own token, so multi-byte characters span several tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for i, symbol in enumerate(sorted(alphabet)):
+        vocab[symbol] = 3 + i
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    fast.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    fast.save_pretrained(path)
+    return fast

@@ -52,6 +52,22 @@ def plan_num_blocks(config: EngineConfig, available_bytes: int, dtype: torch.dty
     return num_blocks
 
 
+# Above this size a CPU allocation is a fresh anonymous mmap, which the kernel hands out as
+# zero pages committed only when first written: the cache costs RSS only as blocks fill up.
+_LAZY_ZERO_BYTES = 64 * 2**20
+
+
+def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled cache: masked-out reads must never meet NaN garbage (0 * NaN = NaN)."""
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if device.type == "cpu" and nbytes >= _LAZY_ZERO_BYTES:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 class Worker:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -68,10 +84,7 @@ class Worker:
         hf = config.model_config.hf_config
         num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
         shape = (2, num_blocks, config.cache_config.block_size, num_kv_heads, head_dim_of(hf))
-        # Zeroed, so padded reads (masked out) never see NaN garbage.
-        self.kv_caches = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(hf.num_hidden_layers)
-        ]
+        self.kv_caches = [allocate_kv_cache(shape, dtype, self.device) for _ in range(hf.num_hidden_layers)]
         logger.info(
             "KV cache: %d blocks x %d tokens (%.1f MB)",
             num_blocks,

@@ -270,10 +270,14 @@ def _rope_parameters(arch: str, md: dict[str, Any], theta: float) -> dict[str, A
         for gguf_key, hf_key in (
             ("rope.scaling.yarn_beta_fast", "beta_fast"),
             ("rope.scaling.yarn_beta_slow", "beta_slow"),
-            ("rope.scaling.attn_factor", "attention_factor"),
         ):
             if md.get(f"{arch}.{gguf_key}") is not None:
                 params[hf_key] = float(md[f"{arch}.{gguf_key}"])
+        # llama.cpp's attn_factor multiplies the yarn mscale it computes, whereas HF's
+        # attention_factor replaces it; the two do not map onto each other.
+        attn_factor = md.get(f"{arch}.rope.scaling.attn_factor")
+        if attn_factor is not None and float(attn_factor) != 1.0:
+            logger.warning("ignoring GGUF rope.scaling.attn_factor=%s (no HF equivalent)", attn_factor)
     else:
         raise ValueError(f"GGUF rope scaling type {kind!r} is not supported")
     return params
@@ -452,7 +456,9 @@ def convert_gguf_to_hf(
     config.dtype = dtype
     config.save_pretrained(out)
     GenerationConfig(**model.generation_config).save_pretrained(out)
-    model.tokenizer.save_pretrained(out)
+    # Chat template inside tokenizer_config.json (not chat_template.jinja) so that readers
+    # predating transformers 5 find it too; transformers 5 reads both.
+    model.tokenizer.save_pretrained(out, save_jinja_files=False)
 
     state_dict = dict(model.weights(dtype))
     save_file(state_dict, str(out / "model.safetensors"), metadata={"format": "pt"})

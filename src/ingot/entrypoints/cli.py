@@ -1,0 +1,196 @@
+"""`ingot` command line: generate | chat | convert (serve, bench, compile, validate come later).
+
+Engine flags use vLLM's names. Errors a user can cause print one ``error:`` line, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from ingot.config import EngineArgs
+from ingot.engine.sampling_params import SamplingParams
+from ingot.errors import IngotError
+from ingot.version import __version__
+
+logger = logging.getLogger("ingot")
+
+
+def _nullable_int(value: str) -> int | None:
+    return None if value.lower() in ("none", "null") else int(value)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    d = EngineArgs()
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="HF model directory or .gguf file "
+                   "(default: the embedded SmolLM2-135M-Instruct GGUF)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model's)")
+    g.add_argument("--dtype", default=d.dtype,
+                   help="auto | float32 | bfloat16 | float16 (default: %(default)s)")
+    g.add_argument("--device", default=d.device, help="auto | cpu | cuda | a plugin platform name")
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (default: the model's max_position_embeddings)")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget per step (default 2048 with chunked prefill)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=d.enable_chunked_prefill)
+    g.add_argument("--block-size", type=int, default=d.block_size)
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="exact number of KV cache blocks (overrides the memory budget)")
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="KV cache memory budget in bytes")
+    g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype)
+    g.add_argument("--hf-overrides", default=None, help="JSON object applied to the HF config")
+    g.add_argument("--additional-config", default=None, help="JSON object of ingot options")
+    g.add_argument("--served-model-name", default=None)
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    names = EngineArgs.field_names()
+    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--sampling-seed", type=_nullable_int, default=None, dest="sampling_seed",
+                   help="per-request sampling seed")
+    g.add_argument("--n", type=int, default=1)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params_from(ns: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        n=ns.n,
+        max_tokens=ns.max_tokens,
+        temperature=ns.temperature,
+        top_p=ns.top_p,
+        top_k=ns.top_k,
+        min_p=ns.min_p,
+        repetition_penalty=ns.repetition_penalty,
+        presence_penalty=ns.presence_penalty,
+        frequency_penalty=ns.frequency_penalty,
+        seed=ns.sampling_seed,
+        stop=ns.stop,
+        ignore_eos=ns.ignore_eos,
+    )
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from ingot.entrypoints.llm import LLM
+
+    params = sampling_params_from(ns)  # validate before loading the model
+    llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
+    if ns.chat:
+        messages: list[dict[str, Any]] = []
+        if ns.system:
+            messages.append({"role": "system", "content": ns.system})
+        messages.append({"role": "user", "content": ns.prompt})
+        outputs = llm.chat(messages, params)
+    else:
+        outputs = llm.generate(ns.prompt, params)
+    for completion in outputs[0].outputs:
+        print(completion.text)
+    return 0
+
+
+def cmd_chat(ns: argparse.Namespace) -> int:
+    from ingot.entrypoints.llm import LLM
+
+    params = sampling_params_from(ns)
+    llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
+    messages: list[dict[str, Any]] = []
+    if ns.system:
+        messages.append({"role": "system", "content": ns.system})
+    print("ingot chat: type a message, /reset to start over, /exit or Ctrl-D to quit.")
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            return 0
+        if text == "/reset":
+            messages = messages[:1] if ns.system else []
+            continue
+        messages.append({"role": "user", "content": text})
+        reply = llm.chat(messages, params)[0].outputs[0].text
+        print(reply)
+        messages.append({"role": "assistant", "content": reply})
+
+
+def cmd_convert(ns: argparse.Namespace) -> int:
+    from ingot.config import parse_dtype
+    from ingot.model_executor.loader.gguf_loader import convert_gguf_to_hf
+
+    dtype = parse_dtype(ns.dtype)
+    out = convert_gguf_to_hf(ns.gguf, ns.out_dir, dtype=dtype) if dtype else convert_gguf_to_hf(
+        ns.gguf, ns.out_dir
+    )
+    print(f"wrote {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ingot", description="ingot LLM inference engine")
+    parser.add_argument("--version", action="version", version=f"ingot {__version__}")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one prompt and print the result")
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a chat message")
+    gen.add_argument("--system", default=None, help="system message (with --chat)")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive multi-turn chat")
+    chat.add_argument("--system", default=None, help="system message")
+    add_engine_args(chat)
+    add_sampling_args(chat)
+    chat.set_defaults(func=cmd_chat, max_tokens=256)
+
+    conv = sub.add_parser("convert", help="convert a GGUF file into a Hugging Face directory")
+    conv.add_argument("gguf", help="input .gguf file")
+    conv.add_argument("out_dir", help="output directory")
+    conv.add_argument("--dtype", default="float32", help="weight dtype (default: %(default)s)")
+    conv.set_defaults(func=cmd_convert)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    logging.basicConfig(
+        level=ns.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s"
+    )
+    try:
+        return ns.func(ns)
+    except (IngotError, ValueError, FileNotFoundError, TypeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

