@@ -15,3 +15,20 @@ def tiny_llama_dir(tmp_path_factory):
     make_tiny_model("llama", path, vocab_size=259)
     make_byte_tokenizer(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def default_gguf_path():
+    from ingot.model_executor.loader.gguf_loader import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def default_hf_dir(tmp_path_factory, default_gguf_path):
+    """The default model converted (fp32) into an HF directory, for the transformers reference."""
+    import torch
+
+    from ingot.model_executor.loader.gguf_loader import convert_gguf_to_hf
+
+    return convert_gguf_to_hf(default_gguf_path, tmp_path_factory.mktemp("smollm2-hf"), dtype=torch.float32)

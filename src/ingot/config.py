@@ -141,7 +141,7 @@ def _load_hf_config(path: str, fmt: str) -> tuple[Any, dict[str, Any]]:
 def _auto_dtype(hf_config: Any, fmt: str, platform: Any) -> torch.dtype:
     """vLLM's rule: keep bf16/fp16 checkpoints, cast fp32 checkpoints down to half precision;
     on platforms without that dtype fall back to the platform default."""
-    declared = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    declared = getattr(hf_config, "dtype", None)
     if isinstance(declared, str):
         declared = _DTYPES.get(declared)
     preferred = platform.default_dtype()

@@ -69,9 +69,14 @@ def hf_logits(hf_model: Any, token_ids: list[int]) -> torch.Tensor:
 
 
 def hf_greedy(hf_model: Any, prompt: list[int], n: int) -> list[int]:
+    """Greedy continuation that ignores EOS (like ignore_eos=True), via HF's KV cache.
+    (generate()'s min_new_tokens would instead forbid EOS, a different distribution.)"""
+    tokens: list[int] = []
     with torch.no_grad():
-        out = hf_model.generate(
-            torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
+        out = hf_model(torch.tensor([prompt]), use_cache=True)
+        for _ in range(n):
+            tokens.append(int(out.logits[0, -1].argmax()))
+            out = hf_model(
+                torch.tensor([[tokens[-1]]]), cache=out.past_key_values, use_cache=True
+            )
+    return tokens

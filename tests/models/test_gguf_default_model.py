@@ -14,8 +14,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from ingot.model_executor.loader.gguf_loader import (
-    convert_gguf_to_hf,
-    default_model_path,
     load_gguf,
 )
 
@@ -44,17 +42,17 @@ SMOLLM2_CHAT = (
 )
 
 
-@pytest.fixture(scope="session")
-def gguf_path() -> Path:
-    try:
-        return Path(default_model_path())
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
+CHAT_PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 
 
 @pytest.fixture(scope="session")
-def converted_dir(gguf_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return convert_gguf_to_hf(gguf_path, tmp_path_factory.mktemp("smollm2-hf"), torch.float32)
+def gguf_path(default_gguf_path: str) -> Path:
+    return Path(default_gguf_path)
+
+
+@pytest.fixture(scope="session")
+def converted_dir(default_hf_dir: Path) -> Path:
+    return default_hf_dir
 
 
 @pytest.fixture(scope="module")
@@ -153,10 +151,11 @@ def test_converted_model_matches_transformers(
     assert model.config.tie_word_embeddings and model.dtype == torch.float32
 
     ref_state = ref_model.state_dict()
-    for name, tensor in model.state_dict().items():
-        torch.testing.assert_close(tensor, ref_state[name], rtol=0, atol=0, msg=name)
+    mismatched = [n for n, t in model.state_dict().items() if not torch.equal(t, ref_state[n])]
+    assert mismatched == []
 
-    ids = torch.tensor([reference_tokenizer.encode(SMOLLM2_CHAT)])
+    # Short prompt: a 135M forward in fp32 costs ~50 ms a token on two CPU cores.
+    ids = torch.tensor([reference_tokenizer.encode(CHAT_PROMPT)])
     with torch.no_grad():
         ours = model(ids).logits
         expected = ref_model(ids).logits

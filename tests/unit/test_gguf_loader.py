@@ -63,7 +63,9 @@ MERGED = ["Ġt", "he", "in", "Ġthe", "Ġin", "12"]
 TOKENS = SPECIALS + _bytes_to_unicode() + MERGED + ["<think>"]
 TOKEN_TYPES = [3] * len(SPECIALS) + [1] * (256 + len(MERGED)) + [4]
 VOCAB = len(TOKENS)  # 266
-CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+)
 
 
 # ---- a miniature llama.cpp converter -----------------------------------------------------------
@@ -97,7 +99,11 @@ def _gguf_name(hf_name: str) -> str:
 
 def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """convert_hf_to_gguf.py's LlamaModel.permute, verbatim in numpy."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 # How each tensor is stored: a mix of F32, F16 and Q8_0, as in real quantised files.
@@ -141,6 +147,7 @@ def write_tiny_gguf(
     arch: str = "llama",
     tied: bool = True,
     pre: str = "smollm",
+    tokenizer_model: str = "gpt2",
     extra_kv: Callable[[gguf.GGUFWriter], None] | None = None,
     seed: int = 0,
 ) -> dict[str, torch.Tensor]:
@@ -183,7 +190,7 @@ def write_tiny_gguf(
     else:
         writer.add_key_length(HEAD_DIM)
         writer.add_value_length(HEAD_DIM)
-    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_model(tokenizer_model)
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(TOKENS)
     writer.add_token_types(TOKEN_TYPES)
@@ -330,7 +337,10 @@ def test_quantised_qk_close_to_original(tiny_llama: tuple[Path, dict]) -> None:
     """Q8_0 q/k un-permuted land within quantisation error of the (unpermuted) originals."""
     path, expected = tiny_llama
     weights = dict(load_gguf(path).weights(torch.float32))
-    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight"):
+    for name in (
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.1.self_attn.k_proj.weight",
+    ):
         got = weights[name]
         # the Q8_0 round trip of the original HF rows; a wrong row order would be far off
         assert (got - expected[name]).abs().max() == 0
@@ -364,7 +374,9 @@ def test_untied_output(tmp_path: Path) -> None:
     model = load_gguf(path)
     assert model.config.tie_word_embeddings is False
     weights = dict(model.weights(torch.float32))
-    torch.testing.assert_close(weights["lm_head.weight"], expected["lm_head.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(
+        weights["lm_head.weight"], expected["lm_head.weight"], rtol=0, atol=0
+    )
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
@@ -428,10 +440,13 @@ def test_add_bos_token_respected(tiny_llama: tuple[Path, dict]) -> None:
     assert tok.encode("the") == [1, *_ids("t", "he")]
 
 
-def test_sentencepiece_tokenizer_rejected(tiny_llama: tuple[Path, dict]) -> None:
-    metadata, _ = read_gguf_header(tiny_llama[0])
+def test_sentencepiece_tokenizer_rejected_lazily(tmp_path: Path) -> None:
+    path = tmp_path / "spm.gguf"
+    write_tiny_gguf(path, tokenizer_model="llama")
+    model = load_gguf(path)  # config and weights do not need the tokenizer
+    assert model.config.num_hidden_layers == 2
     with pytest.raises(ValueError, match="'llama' is not supported yet"):
-        build_gguf_tokenizer({**metadata, "tokenizer.ggml.model": "llama"})
+        _ = model.tokenizer
 
 
 # ---- conversion to a Hugging Face directory ------------------------------------------------------

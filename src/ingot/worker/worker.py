@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from ingot.config import EngineConfig
@@ -52,20 +53,21 @@ def plan_num_blocks(config: EngineConfig, available_bytes: int, dtype: torch.dty
     return num_blocks
 
 
-# Above this size a CPU allocation is a fresh anonymous mmap, which the kernel hands out as
-# zero pages committed only when first written: the cache costs RSS only as blocks fill up.
-_LAZY_ZERO_BYTES = 64 * 2**20
-
-
 def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled cache: masked-out reads must never meet NaN garbage (0 * NaN = NaN)."""
+    """A zero-filled cache: masked-out reads must never meet NaN garbage (0 * NaN = NaN).
+
+    On CPU the memory comes from calloc (through numpy): large blocks are fresh zero pages
+    from the kernel, committed only when first written, so a 4 GiB cache costs no start-up
+    time and RSS grows only as blocks fill up. torch.zeros would touch every page up front.
+    """
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
     numel = 1
     for dim in shape:
         numel *= dim
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if device.type == "cpu" and nbytes >= _LAZY_ZERO_BYTES:
-        return torch.empty(shape, dtype=dtype, device=device)
-    return torch.zeros(shape, dtype=dtype, device=device)
+    raw = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8))
+    return raw.view(dtype).view(shape)
 
 
 class Worker:

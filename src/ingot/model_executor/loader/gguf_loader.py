@@ -277,7 +277,9 @@ def _rope_parameters(arch: str, md: dict[str, Any], theta: float) -> dict[str, A
         # attention_factor replaces it; the two do not map onto each other.
         attn_factor = md.get(f"{arch}.rope.scaling.attn_factor")
         if attn_factor is not None and float(attn_factor) != 1.0:
-            logger.warning("ignoring GGUF rope.scaling.attn_factor=%s (no HF equivalent)", attn_factor)
+            logger.warning(
+                "ignoring GGUF rope.scaling.attn_factor=%s (no HF equivalent)", attn_factor
+            )
     else:
         raise ValueError(f"GGUF rope scaling type {kind!r} is not supported")
     return params
@@ -356,15 +358,27 @@ def _build_config(
 
 @dataclass
 class GGUFModel:
-    """A GGUF checkpoint seen as a Hugging Face model: config, tokenizer and HF-named weights."""
+    """A GGUF checkpoint seen as a Hugging Face model: config, tokenizer and HF-named weights.
+
+    The tokenizer is built on first access, so reading only the config neither pays for it nor
+    fails on a vocabulary type we cannot build (the user may supply --tokenizer instead).
+    """
 
     config: PretrainedConfig
-    tokenizer: PreTrainedTokenizerFast
     generation_config: dict[str, Any]
     path: Path
     architecture: str
     metadata: dict[str, Any] = field(repr=False)
     tensors: dict[str, GGUFTensorInfo] = field(repr=False)
+    _tokenizer: PreTrainedTokenizerFast | None = field(default=None, repr=False)
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerFast:
+        if self._tokenizer is None:
+            self._tokenizer = build_gguf_tokenizer(
+                self.metadata, model_max_length=self.config.max_position_embeddings
+            )
+        return self._tokenizer
 
     def weights(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF name, tensor) pairs, dequantised to float32 then cast to `dtype`.
@@ -395,7 +409,7 @@ class GGUFModel:
 
 
 def load_gguf(path: str | Path) -> GGUFModel:
-    """Read a GGUF file's config and tokenizer; weights are read later by `GGUFModel.weights`."""
+    """Read a GGUF file's metadata into a config; the tokenizer and weights come on demand."""
     path = Path(path)
     metadata, tensors = read_gguf_header(path)
     config = _build_config(path, metadata, tensors)
@@ -403,13 +417,12 @@ def load_gguf(path: str | Path) -> GGUFModel:
     for name in tensors:
         if name not in _SKIPPED_TENSORS:
             gguf_to_hf_name(name)
-    tokenizer = build_gguf_tokenizer(metadata, model_max_length=config.max_position_embeddings)
     generation_config = {
         "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": _stop_token_ids(metadata),
     }
-    logger.info(
-        "loaded GGUF %s: %s, %d layers, %d tensors",
+    logger.debug(
+        "read GGUF %s: %s, %d layers, %d tensors",
         path.name,
         metadata["general.architecture"],
         config.num_hidden_layers,
@@ -417,7 +430,6 @@ def load_gguf(path: str | Path) -> GGUFModel:
     )
     return GGUFModel(
         config=config,
-        tokenizer=tokenizer,
         generation_config=generation_config,
         path=path,
         architecture=metadata["general.architecture"],

@@ -1,0 +1,85 @@
+"""The real default model (SmolLM2-135M-Instruct GGUF) against HF transformers in fp32 on the
+same (dequantised) weights: greedy tokens must match, in a batch and one at a time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_harness import hf_greedy
+
+from ingot import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 32
+_PARAGRAPH = (
+    "The history of mathematics spans thousands of years, from counting marks on bones to "
+    "abstract algebra. Ancient Babylonians used a base-60 system, Greeks formalised geometry, "
+    "and Indian scholars introduced the concept of zero. "
+)
+PROMPTS = [
+    "Hello, my name is",
+    "The capital of Germany is",
+    "def fibonacci(n):\n    ",
+    "List three colors: red,",
+    "Translate to French: I like cheese. ->",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    _PARAGRAPH * 3 + "Summarise the text above in one sentence:",
+    _PARAGRAPH * 6 + "Question: which civilisation introduced zero? Answer:",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_reference(default_hf_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_hf_dir)
+    model = AutoModelForCausalLM.from_pretrained(default_hf_dir, dtype=torch.float32).eval()
+    prompt_ids = [tok.encode(p) for p in PROMPTS]
+    return prompt_ids, [hf_greedy(model, ids, NEW_TOKENS) for ids in prompt_ids]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(dtype="float32", max_model_len=1024, max_num_seqs=8)
+
+
+def test_prompt_lengths_cover_5_to_300_tokens(hf_reference):
+    prompt_ids, _ = hf_reference
+    lengths = sorted(len(p) for p in prompt_ids)
+    assert lengths[0] >= 5 and lengths[-1] <= 300 and lengths[-1] >= 250, lengths
+
+
+def test_greedy_matches_hf_batched_and_alone(llm, hf_reference):
+    prompt_ids, expected = hf_reference
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    batched = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params)
+    assert [o.outputs[0].token_ids for o in batched] == expected
+    for ids, want in zip(prompt_ids, expected, strict=True):
+        (alone,) = llm.generate([{"prompt_token_ids": ids}], params)
+        assert alone.outputs[0].token_ids == want
+
+
+def test_ingot_tokenizer_matches_hf(llm, hf_reference):
+    prompt_ids, _ = hf_reference
+    tok = llm.get_tokenizer()
+    assert [tok.encode(p) for p in PROMPTS] == prompt_ids
+
+
+def test_chat_answers_paris(llm):
+    (out,) = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=24),
+    )
+    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].finish_reason in ("stop", "length")
+
+
+def test_bf16_default_dtype_still_answers(default_gguf_path):
+    llm = LLM(max_model_len=512)
+    assert llm.llm_engine.model_config.dtype in (torch.bfloat16, torch.float32)
+    (out,) = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=24),
+    )
+    assert "Paris" in out.outputs[0].text
