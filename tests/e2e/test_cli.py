@@ -1,0 +1,110 @@
+"""The `ingot` command line, run as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def ingot(*args: str, timeout: int = 180, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ingot.entrypoints.cli", "--log-level", "warning", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        input=stdin,
+    )
+
+
+def assert_one_error_line(proc: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr
+    for fragment in fragments:
+        assert fragment in errors[0]
+
+
+def test_help_lists_every_option():
+    out = ingot("generate", "--help").stdout
+    for flag in (
+        "--model", "--dtype", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
+        "--block-size", "--enable-chunked-prefill", "--hf-overrides", "--device",
+        "--max-tokens", "--temperature", "--top-p", "--top-k", "--min-p", "--stop",
+    ):
+        assert flag in out
+    top = ingot("--help").stdout
+    for command in ("generate", "chat", "convert"):
+        assert command in top
+
+
+def test_generate_on_tiny_model(tiny_llama_dir):
+    proc = ingot("generate", "hello", "--model", str(tiny_llama_dir), "--max-tokens", "4",
+                 "--dtype", "float32")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_missing_model_path(tmp_path):
+    proc = ingot("generate", "hi", "--model", str(tmp_path / "nope"))
+    assert_one_error_line(proc, "does not exist")
+
+
+def test_unknown_architecture(tmp_path, tiny_llama_dir):
+    model = tmp_path / "model"
+    model.mkdir()
+    config = json.loads((tiny_llama_dir / "config.json").read_text())
+    config["architectures"] = ["FooForCausalLM"]
+    (model / "config.json").write_text(json.dumps(config))
+    proc = ingot("generate", "hi", "--model", str(model))
+    assert_one_error_line(proc, "FooForCausalLM", "LlamaForCausalLM")
+
+
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [
+        (["--temperature", "-1"], "temperature"),
+        (["--top-p", "0"], "top_p"),
+        (["--max-tokens", "0"], "max_tokens"),
+        (["--n", "0"], "n must be"),
+    ],
+)
+def test_invalid_sampling_values(flags, fragment, tiny_llama_dir):
+    proc = ingot("generate", "hi", "--model", str(tiny_llama_dir), *flags)
+    assert_one_error_line(proc, fragment)
+
+
+def test_empty_prompt(tiny_llama_dir):
+    proc = ingot("generate", "", "--model", str(tiny_llama_dir), "--dtype", "float32")
+    assert_one_error_line(proc, "empty")
+
+
+def test_prompt_over_max_model_len(tiny_llama_dir):
+    proc = ingot("generate", "x" * 100, "--model", str(tiny_llama_dir), "--max-model-len", "32",
+                 "--dtype", "float32")
+    assert_one_error_line(proc, "max_model_len")
+
+
+def test_bad_engine_flag_value(tiny_llama_dir):
+    proc = ingot("generate", "hi", "--model", str(tiny_llama_dir), "--block-size", "12")
+    assert_one_error_line(proc, "block_size")
+
+
+def test_chat_multi_turn(tiny_llama_dir):
+    proc = ingot("chat", "--model", str(tiny_llama_dir), "--max-tokens", "3", "--dtype", "float32",
+                 stdin="hello\nagain\n/exit\n")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("> ") >= 3
+
+
+@pytest.mark.slow
+def test_convert_writes_a_directory_transformers_loads(tmp_path, default_gguf_path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    out = tmp_path / "hf"
+    proc = ingot("convert", default_gguf_path, str(out), "--dtype", "bfloat16")
+    assert proc.returncode == 0, proc.stderr
+    assert AutoConfig.from_pretrained(out).architectures == ["LlamaForCausalLM"]
+    assert AutoTokenizer.from_pretrained(out).encode("Paris") != []
