@@ -23,11 +23,11 @@ run: install
 	$(VENV)/bin/ingot generate "What is the capital of France?" --chat --max-tokens 48
 
 test: install
-	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: install
-	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff check .
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
