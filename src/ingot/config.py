@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ingot.core.buckets import BucketGrid
 from ingot.errors import ModelNotFoundError
 
 logger = logging.getLogger("ingot")
@@ -42,6 +43,15 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype | None:
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; use auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
+
+
+# ingot options that have no vLLM flag travel in --additional-config (the original's route).
+KNOWN_ADDITIONAL_CONFIG = {
+    "enable_bucketing",
+    "num_batched_tokens_buckets",
+    "num_seqs_buckets",
+    "decode_context_length_buckets",
+}
 
 
 @dataclass
@@ -73,6 +83,7 @@ class CacheConfig:
     num_gpu_blocks_override: int | None
     kv_cache_memory_bytes: int | None
     kv_cache_dtype: str
+    gpu_memory_utilization: float = 0.9
     num_blocks: int | None = None  # decided by the worker from the memory budget
 
 
@@ -91,6 +102,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     device: str
     additional_config: dict[str, Any]
+    buckets: BucketGrid
 
 
 def resolve_model_path(model: str | None) -> tuple[str, str]:
@@ -165,6 +177,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
     kv_cache_dtype: str = "auto"
+    gpu_memory_utilization: float = 0.9
     device: str = "auto"
     hf_overrides: dict[str, Any] | str | None = None
     additional_config: dict[str, Any] | str | None = None
@@ -229,9 +242,22 @@ class EngineArgs:
             _positive("num_gpu_blocks_override", self.num_gpu_blocks_override)
         if self.kv_cache_memory_bytes is not None:
             _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        if not isinstance(self.gpu_memory_utilization, int | float) or not (
+            0.0 < self.gpu_memory_utilization <= 1.0
+        ):
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
         if self.kv_cache_dtype not in ("auto",):
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; use auto")
 
+        additional_config = self._json_arg("additional_config", self.additional_config)
+        unknown = set(additional_config) - KNOWN_ADDITIONAL_CONFIG
+        if unknown:
+            raise ValueError(
+                f"unknown additional_config key(s): {', '.join(sorted(unknown))}; "
+                f"known: {', '.join(sorted(KNOWN_ADDITIONAL_CONFIG))}"
+            )
         model_config = ModelConfig(
             model=path,
             format=fmt,
@@ -252,6 +278,7 @@ class EngineArgs:
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 kv_cache_dtype=self.kv_cache_dtype,
+                gpu_memory_utilization=float(self.gpu_memory_utilization),
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -260,7 +287,10 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
             ),
             device=platform.name,
-            additional_config=self._json_arg("additional_config", self.additional_config),
+            additional_config=additional_config,
+            buckets=BucketGrid.from_config(
+                additional_config, max_batched, self.max_num_seqs, max_model_len, self.block_size
+            ),
         )
 
     @classmethod

@@ -54,7 +54,10 @@ def test_engine_matches_hf_greedy_in_a_batch(tiny_llama_dir, llm):
 
 
 def test_block_accounting_after_random_requests_and_aborts(tiny_llama_dir):
-    llm = _llm(tiny_llama_dir, num_gpu_blocks_override=40, max_num_seqs=8, max_num_batched_tokens=32)
+    llm = _llm(
+        tiny_llama_dir, num_gpu_blocks_override=40, max_num_seqs=8, max_num_batched_tokens=32,
+        max_model_len=64,
+    )
     engine: LLMEngine = llm.llm_engine
     pool = engine.engine_core.kv_cache_manager.pool
     start_free = pool.num_free_blocks
@@ -186,10 +189,9 @@ def test_bad_prompts_are_rejected_and_engine_keeps_working(llm, prompt, error):
     assert len(ok.outputs[0].token_ids) == 12
 
 
-def test_request_larger_than_the_whole_cache_is_rejected(tiny_llama_dir):
-    llm = _llm(tiny_llama_dir, num_gpu_blocks_override=4)
-    with pytest.raises(ValueError, match="KV blocks"):
-        llm.generate([[5] * 20], SamplingParams(max_tokens=20))
+def test_cache_too_small_for_one_full_request_is_a_startup_error(tiny_llama_dir):
+    with pytest.raises(ValueError, match="lower --max-model-len"):
+        _llm(tiny_llama_dir, num_gpu_blocks_override=4)
 
 
 def test_unknown_llm_argument(tiny_llama_dir):

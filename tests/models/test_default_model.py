@@ -60,6 +60,19 @@ def test_greedy_matches_hf_batched_and_alone(llm, hf_reference):
         assert alone.outputs[0].token_ids == want
 
 
+@pytest.mark.parametrize(
+    "additional_config",
+    [{"enable_bucketing": False}, {"decode_context_length_buckets": [256, 512]}],
+    ids=["buckets-off", "context-buckets"],
+)
+def test_greedy_matches_hf_with_other_shapes(hf_reference, additional_config):
+    prompt_ids, expected = hf_reference
+    llm = LLM(dtype="float32", max_model_len=1024, max_num_seqs=8, additional_config=additional_config)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    batched = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params)
+    assert [o.outputs[0].token_ids for o in batched] == expected
+
+
 def test_ingot_tokenizer_matches_hf(llm, hf_reference):
     prompt_ids, _ = hf_reference
     tok = llm.get_tokenizer()
@@ -75,8 +88,9 @@ def test_chat_answers_paris(llm):
     assert out.outputs[0].finish_reason in ("stop", "length")
 
 
-def test_bf16_default_dtype_still_answers(default_gguf_path):
-    llm = LLM(max_model_len=512)
+def test_defaults_need_no_block_bucket_or_memory_flag():
+    llm = LLM()  # bf16 where supported, max_model_len 8192, budgeted KV cache
+    assert llm.llm_engine.model_config.max_model_len == 8192
     assert llm.llm_engine.model_config.dtype in (torch.bfloat16, torch.float32)
     (out,) = llm.chat(
         [{"role": "user", "content": "What is the capital of France?"}],

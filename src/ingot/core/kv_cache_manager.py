@@ -43,18 +43,14 @@ class BlockPool:
 
 
 class KVCacheManager:
-    """Allocates blocks to requests as their token count grows.
-
-    Admission reserves a request's worst case (prompt + max new tokens, capped at max_model_len)
-    so that, without preemption, an admitted request can always finish.
-    """
+    """Allocates blocks to requests as their token count grows (actual tokens only: padding
+    never allocates). Admission control lives in the scheduler."""
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.pool = BlockPool(num_blocks)
         self.req_blocks: dict[str, list[int]] = {}
-        self._reserved: dict[str, int] = {}  # request -> blocks it may still need
 
     @property
     def num_free_blocks(self) -> int:
@@ -63,21 +59,8 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def worst_case_blocks(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
-        total = num_prompt_tokens + (max_tokens if max_tokens is not None else self.max_model_len)
-        return self.blocks_for(min(total, self.max_model_len))
-
-    def can_admit(self, num_prompt_tokens: int, max_tokens: int | None) -> bool:
-        outstanding = sum(self._reserved.values())
-        need = self.worst_case_blocks(num_prompt_tokens, max_tokens)
-        return need <= self.pool.num_free_blocks - outstanding
-
-    def fits_at_all(self, num_prompt_tokens: int, max_tokens: int | None) -> bool:
-        return self.worst_case_blocks(num_prompt_tokens, max_tokens) <= self.pool.num_usable_blocks
-
-    def admit(self, request_id: str, num_prompt_tokens: int, max_tokens: int | None) -> None:
+    def admit(self, request_id: str) -> None:
         self.req_blocks[request_id] = []
-        self._reserved[request_id] = self.worst_case_blocks(num_prompt_tokens, max_tokens)
 
     def allocate_slots(self, request_id: str, num_total_tokens: int) -> list[int]:
         """Grow the request's blocks to hold ``num_total_tokens``; returns its block ids."""
@@ -85,12 +68,10 @@ class KVCacheManager:
         need = self.blocks_for(num_total_tokens) - len(blocks)
         if need > 0:
             blocks.extend(self.pool.allocate(need))
-            self._reserved[request_id] = max(self._reserved[request_id] - need, 0)
         return blocks
 
     def free(self, request_id: str) -> None:
         blocks = self.req_blocks.pop(request_id, None)
-        self._reserved.pop(request_id, None)
         if blocks:
             self.pool.free(blocks)
 

@@ -20,10 +20,13 @@ class NewRequestData:
 class ScheduledRequest:
     req_id: str
     token_ids: list[int]  # tokens computed this step (a prefill chunk, or the last token)
-    start_position: int  # absolute position of token_ids[0]
+    start_position: int  # absolute position of token_ids[0] (= computed tokens before the step)
     block_ids: list[int]  # all blocks the request owns, in order
     sample: bool  # this step reaches the end of the known tokens: sample the next one
     is_prefill: bool
+    # Prefill: the bucket the chunk pads to. Decode: the actual count (the runner pads the
+    # decode batch). Kept apart from len(token_ids) so padding never counts as progress.
+    num_tokens_padded: int = 0
 
 
 @dataclass
@@ -39,3 +42,7 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    @property
+    def is_prefill(self) -> bool:
+        return bool(self.scheduled) and self.scheduled[0].is_prefill

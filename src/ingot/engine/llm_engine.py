@@ -38,7 +38,12 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(
             self.executor.num_blocks, config.cache_config.block_size, config.model_config.max_model_len
         )
-        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
+        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, config.buckets)
+        logger.info(
+            "bucket grid: %s; at most %d requests at once (KV bound)",
+            config.buckets.describe(),
+            min(self.scheduler.max_kv_concurrent, config.scheduler_config.max_num_seqs),
+        )
 
     def step(self) -> tuple[list[str], ModelRunnerOutput]:
         so = self.scheduler.schedule()
@@ -149,7 +154,7 @@ class LLMEngine:
             children.append(self._make_request(child_id, text, token_ids, child_params, arrival_time))
         self.parents[request_id] = _Parent(request_id, [c.request_id for c in children], text, token_ids)
         for child in children:
-            self.scheduler.add_request(child)  # may raise: then nothing was added
+            self.scheduler.add_request(child)
             self.requests[child.request_id] = child
             self._child_to_parent[child.request_id] = request_id
         return request_id

@@ -47,6 +47,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                    help="KV cache memory budget in bytes")
     g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype)
+    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                   help="fraction of device memory (host memory on CPU) ingot may use; the KV "
+                   "cache gets what the weights leave, capped (default: %(default)s)")
     g.add_argument("--hf-overrides", default=None, help="JSON object applied to the HF config")
     g.add_argument("--additional-config", default=None, help="JSON object of ingot options")
     g.add_argument("--served-model-name", default=None)

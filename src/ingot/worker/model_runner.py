@@ -14,10 +14,11 @@ import torch
 from torch import nn
 
 from ingot.config import EngineConfig
-from ingot.core.kv_cache_manager import NULL_BLOCK_ID
+from ingot.core.kv_cache_manager import NULL_BLOCK_ID, cdiv
 from ingot.core.sched_output import SchedulerOutput
 from ingot.engine.sampling_params import SamplingParams
 from ingot.model_executor.layers.attention import AttentionMetadata
+from ingot.metrics.stats import BucketStats
 from ingot.model_executor.layers.sampler import (
     LogprobsTensors,
     Sampler,
@@ -26,6 +27,8 @@ from ingot.model_executor.layers.sampler import (
 )
 
 logger = logging.getLogger("ingot")
+
+PAD_SLOT_ID = -1
 
 
 @dataclass
@@ -63,6 +66,13 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
 
 
+def slot_mapping(
+    block_table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """slot = block_table[row][pos // block_size] * block_size + pos % block_size."""
+    return block_table[rows, positions // block_size] * block_size + positions % block_size
+
+
 def _tensors_to_lists(t: LogprobsTensors, row: int, k: int) -> tuple[list[int], list[float], int]:
     return (
         t.token_ids[row, : 1 + k].tolist(),
@@ -87,6 +97,8 @@ class ModelRunner:
         self.vocab_size = config.model_config.vocab_size
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
+        self.grid = config.buckets
+        self.stats = BucketStats.for_grid(self.grid)
 
     def _register(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
@@ -100,54 +112,93 @@ class ModelRunner:
                 new.sampling_params, list(new.prompt_token_ids), generator=generator
             )
 
-    def prepare_inputs(self, so: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        items = so.scheduled
-        query_lens = [len(it.token_ids) for it in items]
-        input_ids = torch.tensor([t for it in items for t in it.token_ids], dtype=torch.int64)
-        starts = torch.tensor([it.start_position for it in items], dtype=torch.int64)
-        lens = torch.tensor(query_lens, dtype=torch.int64)
-        req_idx = torch.repeat_interleave(torch.arange(len(items)), lens)
-        first_token = torch.cumsum(lens, 0) - lens
-        positions = starts[req_idx] + torch.arange(int(lens.sum())) - first_token[req_idx]
+    def prepare_inputs(
+        self, so: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Model inputs padded to the step's bucket, and the rows holding real last tokens.
 
-        width = max(len(it.block_ids) for it in items)
-        block_table = torch.full((len(items), width), NULL_BLOCK_ID, dtype=torch.int64)
-        for row, it in enumerate(items):
-            block_table[row, : len(it.block_ids)] = torch.tensor(it.block_ids, dtype=torch.int64)
-        block_of_token = block_table[req_idx, positions // self.block_size]
-        slot_mapping = block_of_token * self.block_size + positions % self.block_size
+        Prefill (one request): tokens pad to the chunk's bucket; padded tokens repeat the last
+        real position and get slot -1. Decode: the batch pads to its num_seqs bucket with dummy
+        rows (token 0, position 0, slot -1, a block-table row of null blocks). Padding never
+        allocates a block and never writes the cache.
+        """
+        items = so.scheduled
+        bs = self.block_size
+        grid = self.grid
+        if so.is_prefill:
+            (it,) = items
+            n = len(it.token_ids)
+            n_pad = max(it.num_tokens_padded, n) if grid.enabled else n
+            start = it.start_position
+            real_pos = torch.arange(start, start + n, dtype=torch.int64)
+            positions = torch.cat([real_pos, real_pos[-1:].expand(n_pad - n)])
+            input_ids = torch.tensor(it.token_ids + [0] * (n_pad - n), dtype=torch.int64)
+            if not grid.enabled:
+                width = len(it.block_ids)
+            elif start == 0:
+                width = cdiv(n_pad, bs)  # a first segment attends only to itself
+            else:
+                width = cdiv(grid.decode_ctx_bucket(start + n), bs)
+            table = torch.full((1, width), NULL_BLOCK_ID, dtype=torch.int64)
+            table[0, : len(it.block_ids)] = torch.tensor(it.block_ids, dtype=torch.int64)
+            slots = torch.full((n_pad,), PAD_SLOT_ID, dtype=torch.int64)
+            slots[:n] = slot_mapping(table, torch.zeros_like(real_pos), real_pos, bs)
+            query_lens = [n_pad]
+            sample_rows = [n - 1]
+            self.stats.record_prefill(n_pad, n)
+        else:
+            num_reqs = len(items)
+            b_pad = grid.decode_bucket(num_reqs)
+            starts = [it.start_position for it in items]
+            positions = torch.zeros(b_pad, dtype=torch.int64)
+            positions[:num_reqs] = torch.tensor(starts, dtype=torch.int64)
+            input_ids = torch.zeros(b_pad, dtype=torch.int64)
+            input_ids[:num_reqs] = torch.tensor([it.token_ids[0] for it in items], dtype=torch.int64)
+            ctx_bucket = None
+            if grid.enabled:
+                # Smallest context bucket covering the longest request after this token.
+                ctx_bucket = grid.decode_ctx_bucket(max(starts) + 1)
+                width = cdiv(ctx_bucket, bs)
+            else:
+                width = max(len(it.block_ids) for it in items)
+            table = torch.full((b_pad, width), NULL_BLOCK_ID, dtype=torch.int64)
+            for row, it in enumerate(items):
+                ids = it.block_ids[:width]
+                table[row, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+            real = positions[:num_reqs]
+            slots = torch.full((b_pad,), PAD_SLOT_ID, dtype=torch.int64)
+            slots[:num_reqs] = slot_mapping(table, torch.arange(num_reqs), real, bs)
+            query_lens = [1] * b_pad
+            sample_rows = list(range(num_reqs))
+            self.stats.record_decode(b_pad, num_reqs, ctx_bucket)
 
         meta = AttentionMetadata.build(
-            positions.to(self.device),
-            query_lens,
-            slot_mapping.to(self.device),
-            block_table.to(self.device),
+            positions.to(self.device), query_lens, slots.to(self.device), table.to(self.device)
         )
-        return input_ids.to(self.device), positions.to(self.device), meta
+        return input_ids.to(self.device), positions.to(self.device), meta, sample_rows
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._register(so)
         if so.is_empty:
             return ModelRunnerOutput([], [])
-        input_ids, positions, meta = self.prepare_inputs(so)
+        input_ids, positions, meta, last_rows = self.prepare_inputs(so)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
-        # Which hidden rows need logits: the last token of each sampling request, and every
-        # token of a prefill chunk whose request asked for prompt logprobs.
-        offsets = meta.query_start_loc.tolist()
+        # Which hidden rows need logits: the last real token of each sampling request, and
+        # every real token of a prefill chunk whose request asked for prompt logprobs.
         sample_rows: list[int] = []
         sample_reqs: list[str] = []
         prompt_lp: list[tuple[str, int, int, int]] = []  # req, first row, n rows, first position
-        for i, it in enumerate(so.scheduled):
+        for it, last_row in zip(so.scheduled, last_rows, strict=True):
             state = self.requests[it.req_id]
             if it.is_prefill and state.params.prompt_logprobs is not None:
                 # targets exist for positions < prompt_len - 1
                 n = min(len(it.token_ids), len(state.prompt_token_ids) - 1 - it.start_position)
                 if n > 0:
-                    prompt_lp.append((it.req_id, offsets[i], n, it.start_position))
+                    prompt_lp.append((it.req_id, last_row - len(it.token_ids) + 1, n, it.start_position))
             if it.sample:
-                sample_rows.append(offsets[i + 1] - 1)
+                sample_rows.append(last_row)
                 sample_reqs.append(it.req_id)
 
         output = ModelRunnerOutput(sample_reqs, [])

@@ -14,15 +14,15 @@ from ingot.core.sched_output import SchedulerOutput
 from ingot.model_executor.loader.model_loader import load_model
 from ingot.model_executor.models.llama import head_dim_of
 from ingot.platforms import resolve_platform
+from ingot.worker.kv_budget import (
+    cap_fraction_from_env,
+    compute_kv_budget,
+    min_budget_gib_from_env,
+    num_blocks_for_budget,
+)
 from ingot.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 logger = logging.getLogger("ingot")
-
-# Without an explicit budget the KV cache takes at most this much (vLLM's CPU backend default
-# KV space is 4 GiB too) and at most this fraction of the memory still available.
-DEFAULT_KV_CACHE_BYTES_CAP = 4 * 2**30
-DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.3
-
 
 def kv_bytes_per_block(config: EngineConfig, dtype: torch.dtype) -> int:
     hf = config.model_config.hf_config
@@ -32,23 +32,39 @@ def kv_bytes_per_block(config: EngineConfig, dtype: torch.dtype) -> int:
     return per_layer * hf.num_hidden_layers
 
 
-def plan_num_blocks(config: EngineConfig, available_bytes: int, dtype: torch.dtype) -> int:
-    cache = config.cache_config
-    if cache.num_gpu_blocks_override is not None:
-        return cache.num_gpu_blocks_override
-    sched = config.scheduler_config
-    # +1: block 0 is the null block.
-    worst_case = sched.max_num_seqs * cdiv(sched.max_model_len, cache.block_size) + 1
+def plan_num_blocks(
+    config: EngineConfig, total_bytes: int, weight_bytes: int, dtype: torch.dtype
+) -> int:
+    """Block count from the memory budget; ``num_gpu_blocks_override`` wins. Checks that at
+    least one request of ``max_model_len`` tokens fits."""
+    cache, sched = config.cache_config, config.scheduler_config
     per_block = kv_bytes_per_block(config, dtype)
-    if cache.kv_cache_memory_bytes is not None:
-        budget = cache.kv_cache_memory_bytes
+    if cache.num_gpu_blocks_override is not None:
+        num_blocks = cache.num_gpu_blocks_override
+        source = "num_gpu_blocks_override"
     else:
-        budget = min(DEFAULT_KV_CACHE_BYTES_CAP, int(available_bytes * DEFAULT_KV_CACHE_MEMORY_FRACTION))
-    num_blocks = min(worst_case, budget // per_block)
-    if num_blocks < 2:
+        if cache.kv_cache_memory_bytes is not None:
+            budget = cache.kv_cache_memory_bytes
+            source = "kv_cache_memory_bytes"
+        else:
+            budget = compute_kv_budget(
+                total_bytes,
+                weight_bytes,
+                cache.gpu_memory_utilization,
+                cap_fraction_from_env(),
+                min_budget_gib_from_env(),
+            )
+            source = "gpu_memory_utilization"
+        # +1: block 0 is the null block. More than every sequence at full length is never used.
+        most_useful = sched.max_num_seqs * cdiv(sched.max_model_len, cache.block_size) + 1
+        num_blocks = num_blocks_for_budget(budget, per_block, most_useful)
+    usable_tokens = (num_blocks - 1) * cache.block_size
+    if usable_tokens < sched.max_model_len:
         raise ValueError(
-            f"the KV cache budget ({budget} bytes) holds fewer than 2 blocks of {per_block} bytes; "
-            "raise kv_cache_memory_bytes or lower --block-size"
+            f"the KV cache ({num_blocks} blocks of {cache.block_size} tokens, from {source}) "
+            f"holds {max(usable_tokens, 0)} tokens, fewer than one request of max_model_len "
+            f"({sched.max_model_len}); lower --max-model-len or give the KV cache more memory "
+            "(--gpu-memory-utilization, --kv-cache-memory-bytes or --num-gpu-blocks-override)"
         )
     return num_blocks
 
@@ -79,9 +95,10 @@ class Worker:
         self.model = load_model(config.model_config, self.device)
 
         dtype = config.model_config.dtype
-        num_blocks = plan_num_blocks(
-            config, self.platform.available_memory_bytes(self.device), dtype
-        )
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # Memory still free now, plus what the weights took: the total before loading.
+        total = self.platform.available_memory_bytes(self.device) + weight_bytes
+        num_blocks = plan_num_blocks(config, total, weight_bytes, dtype)
         config.cache_config.num_blocks = num_blocks
         hf = config.model_config.hf_config
         num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads

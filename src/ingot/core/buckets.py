@@ -1,0 +1,158 @@
+"""Static-shape buckets: generation, validation and selection.
+
+The model only runs at a few known shapes: prefill token counts pad up to a
+``num_batched_tokens_buckets`` entry, decode batches pad up to a ``num_seqs_buckets`` entry, and
+(optionally) decode reads KV up to a ``decode_context_length_buckets`` entry. Each shape can then
+be compiled once and reused forever.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger("ingot")
+
+MIN_PREFILL_BUCKET = 128
+# Context buckets must be multiples of this (the original's NKI tile width; kept so bucket
+# lists move between the two systems unchanged).
+CTX_BUCKET_MULTIPLE = 128
+
+
+def _powers_of_two(start: int, maximum: int) -> list[int]:
+    buckets, b = [], start
+    while b < maximum:
+        buckets.append(b)
+        b *= 2
+    return [*buckets, maximum]
+
+
+def default_num_batched_tokens_buckets(max_num_batched_tokens: int, max_model_len: int) -> list[int]:
+    """Powers of two from 128 while below the maximum, then the maximum itself."""
+    return _powers_of_two(MIN_PREFILL_BUCKET, min(max_num_batched_tokens, max_model_len))
+
+
+def default_num_seqs_buckets(max_num_seqs: int) -> list[int]:
+    return _powers_of_two(1, max_num_seqs)
+
+
+def _check_int_list(name: str, buckets: Any) -> list[int]:
+    if not isinstance(buckets, list | tuple) or not buckets:
+        raise ValueError(f"{name} must be a non-empty list of positive integers, got {buckets!r}")
+    for b in buckets:
+        if not isinstance(b, int) or isinstance(b, bool) or b <= 0:
+            raise ValueError(f"{name} must hold positive integers; {b!r} is not one")
+    if any(b >= c for b, c in zip(buckets, buckets[1:], strict=False)):
+        raise ValueError(f"{name} must be strictly ascending, got {list(buckets)}")
+    return list(buckets)
+
+
+def validate_buckets(name: str, buckets: Any, maximum: int, max_name: str) -> list[int]:
+    """Non-empty, positive ints (not bools), strictly ascending, ending exactly at the maximum."""
+    buckets = _check_int_list(name, buckets)
+    if buckets[-1] != maximum:
+        raise ValueError(
+            f"{name} must end exactly at {max_name} ({maximum}), got {buckets}; "
+            f"add {maximum} as the last bucket or change {max_name}"
+        )
+    return buckets
+
+
+def validate_ctx_buckets(buckets: Any, max_model_len: int) -> list[int]:
+    buckets = _check_int_list("decode_context_length_buckets", buckets)
+    for b in buckets:
+        if b >= max_model_len:
+            raise ValueError(
+                f"decode_context_length_buckets values must be < max_model_len ({max_model_len}); "
+                f"{b} is not (max_model_len itself is always the last bucket)"
+            )
+        if b % CTX_BUCKET_MULTIPLE:
+            raise ValueError(
+                f"decode_context_length_buckets values must be multiples of {CTX_BUCKET_MULTIPLE}; "
+                f"{b} is not"
+            )
+    return buckets
+
+
+def get_bucket_for_count(n: int, buckets: Sequence[int]) -> int:
+    """Smallest bucket >= n; n <= 0 gives the first; past the last gives the last (warned)."""
+    if n <= 0:
+        return buckets[0]
+    for b in buckets:
+        if b >= n:
+            return b
+    logger.warning("count %d exceeds every bucket %s; using %d", n, list(buckets), buckets[-1])
+    return buckets[-1]
+
+
+def select_ctx_bucket(needed: int, buckets: Sequence[int] | None, max_model_len: int) -> int:
+    """Smallest context bucket >= needed among the buckets plus max_model_len."""
+    for b in buckets or ():
+        if b >= needed:
+            return b
+    return max_model_len
+
+
+@dataclass(frozen=True)
+class BucketGrid:
+    """The shapes the model runs at. ``enabled=False`` runs every batch at its actual shape."""
+
+    enabled: bool
+    num_batched_tokens_buckets: tuple[int, ...]
+    num_seqs_buckets: tuple[int, ...]
+    decode_context_length_buckets: tuple[int, ...] | None
+    max_model_len: int
+    block_size: int
+
+    @classmethod
+    def from_config(
+        cls,
+        additional_config: dict[str, Any],
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+    ) -> BucketGrid:
+        enabled = additional_config.get("enable_bucketing", True)
+        if not isinstance(enabled, bool):
+            raise ValueError(f"enable_bucketing must be true or false, got {enabled!r}")
+        prefill_max = min(max_num_batched_tokens, max_model_len)
+        prefill = additional_config.get("num_batched_tokens_buckets")
+        if prefill is None:
+            prefill = default_num_batched_tokens_buckets(max_num_batched_tokens, max_model_len)
+        else:
+            prefill = validate_buckets(
+                "num_batched_tokens_buckets", prefill, prefill_max,
+                "min(max_num_batched_tokens, max_model_len)",
+            )
+        seqs = additional_config.get("num_seqs_buckets")
+        if seqs is None:
+            seqs = default_num_seqs_buckets(max_num_seqs)
+        else:
+            seqs = validate_buckets("num_seqs_buckets", seqs, max_num_seqs, "max_num_seqs")
+        ctx = additional_config.get("decode_context_length_buckets")
+        if ctx is not None:
+            ctx = tuple(validate_ctx_buckets(ctx, max_model_len))
+        return cls(enabled, tuple(prefill), tuple(seqs), ctx, max_model_len, block_size)
+
+    def prefill_bucket(self, num_tokens: int) -> int:
+        return get_bucket_for_count(num_tokens, self.num_batched_tokens_buckets) if self.enabled else num_tokens
+
+    def decode_bucket(self, num_seqs: int) -> int:
+        return get_bucket_for_count(num_seqs, self.num_seqs_buckets) if self.enabled else num_seqs
+
+    def decode_ctx_bucket(self, needed: int) -> int:
+        return select_ctx_bucket(needed, self.decode_context_length_buckets, self.max_model_len)
+
+    def describe(self) -> str:
+        if not self.enabled:
+            return "bucketing off: every batch runs at its actual shape"
+        ctx = list(self.decode_context_length_buckets or []) + [self.max_model_len]
+        return (
+            f"prefill token buckets {list(self.num_batched_tokens_buckets)}, "
+            f"decode batch buckets {list(self.num_seqs_buckets)}, "
+            f"decode context buckets {ctx if self.decode_context_length_buckets else 'off'}"
+            f" (block_size {self.block_size})"
+        )

@@ -1,0 +1,129 @@
+"""Padding to buckets on a real (tiny) model: slot numbers, the KV cache is never touched by
+padding, and outputs are identical with buckets / context buckets on and off."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from ingot import LLM, SamplingParams
+from ingot.core.sched_output import ScheduledRequest, SchedulerOutput
+from ingot.worker.model_runner import slot_mapping
+
+
+def _llm(path, **kw):
+    args = dict(dtype="float32", max_model_len=512, block_size=16, max_num_seqs=8)
+    args.update(kw)
+    return LLM(str(path), **args)
+
+
+def _runner(llm):
+    return llm.llm_engine.engine_core.executor.worker.model_runner
+
+
+def test_slot_numbers_from_the_spec():
+    table = torch.tensor([[10, 15, 22]])
+    assert slot_mapping(table, torch.tensor([0]), torch.tensor([100]), 64).tolist() == [996]
+    pos = torch.tensor([62, 63, 64, 65])
+    assert slot_mapping(table, torch.zeros(4, dtype=torch.int64), pos, 64).tolist() == [702, 703, 960, 961]
+
+
+def test_prefill_of_100_tokens_pads_to_128_with_slot_minus_one(tiny_llama_dir):
+    llm = _llm(tiny_llama_dir, block_size=64)
+    item = ScheduledRequest("x", list(range(3, 103)), 0, [10, 15], True, True, num_tokens_padded=128)
+    input_ids, positions, meta, last_rows = _runner(llm).prepare_inputs(SchedulerOutput([item]))
+    slots = meta.slot_mapping.tolist()
+    assert slots == list(range(640, 704)) + list(range(960, 996)) + [-1] * 28
+    assert input_ids.shape == (128,) and last_rows == [99]
+    assert positions[100:].tolist() == [99] * 28  # padding repeats the last real position
+
+
+def test_decode_batch_pads_with_null_rows(tiny_llama_dir):
+    llm = _llm(tiny_llama_dir)
+    items = [ScheduledRequest(f"r{i}", [7], 20 + i, [3 + i, 9 + i], False, False, 1) for i in range(3)]
+    input_ids, positions, meta, last_rows = _runner(llm).prepare_inputs(SchedulerOutput(items))
+    assert input_ids.shape == (4,) and last_rows == [0, 1, 2]
+    assert meta.slot_mapping.tolist()[3] == -1
+    assert meta.block_table[3].eq(0).all()  # the dummy row reads only the null block
+    assert meta.block_table.shape[1] == 512 // 16  # context bucketing off: max_model_len wide
+
+
+def test_padding_never_writes_the_kv_cache(tiny_llama_dir, monkeypatch):
+    llm = _llm(tiny_llama_dir, max_num_batched_tokens=128)
+    runner = _runner(llm)
+    checked = {"prefill": 0, "decode": 0}
+    original = runner.execute_model
+
+    def checked_execute(so):
+        before = [c.clone() for c in runner.kv_caches]
+        out = original(so)
+        real_slots = set()
+        for it in so.scheduled:
+            for p in range(it.start_position, it.start_position + len(it.token_ids)):
+                real_slots.add(it.block_ids[p // 16] * 16 + p % 16)
+        for b, a in zip(before, runner.kv_caches, strict=True):
+            per_slot = (b != a).reshape(2, b.shape[1] * b.shape[2], -1).any(-1).any(0)
+            changed = per_slot.nonzero().flatten().tolist()
+            assert set(changed) <= real_slots
+        padded = so.scheduled[0].num_tokens_padded > len(so.scheduled[0].token_ids) if so.is_prefill \
+            else len(so.scheduled) not in (1, 2, 4, 8)
+        if padded:
+            checked["prefill" if so.is_prefill else "decode"] += 1
+        return out
+
+    monkeypatch.setattr(runner, "execute_model", checked_execute)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 259) for _ in range(n)] for n in (5, 77, 130, 40, 9)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert checked["prefill"] > 0 and checked["decode"] > 0
+
+
+def _outputs(llm, prompts, params):
+    """(greedy tokens, their logprobs) per prompt."""
+    results = []
+    for out in llm.generate(prompts, params):
+        c = out.outputs[0]
+        results.append((c.token_ids, [e[t].logprob for t, e in zip(c.token_ids, c.logprobs, strict=True)]))
+    return results
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_identical_outputs_with_buckets_and_context_buckets_on_and_off(tmp_path, arch):
+    from tiny import make_tiny_model
+
+    path = make_tiny_model(arch, tmp_path)
+    rng = random.Random(2)
+    # Lengths chosen so decoding crosses the 128 context bucket and prefills span chunks.
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (3, 120, 126, 60, 200, 17)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    configs = {
+        "off": {"additional_config": {"enable_bucketing": False}},
+        "buckets": {},
+        "ctx": {"additional_config": {"decode_context_length_buckets": [128, 256]}},
+        "chunked": {"max_num_batched_tokens": 64, "additional_config": {"num_batched_tokens_buckets": [16, 64]}},
+    }
+    results = {}
+    for name, kw in configs.items():
+        llm = _llm(path, skip_tokenizer_init=True, **kw)
+        results[name] = _outputs(llm, prompts, params)
+        alone = _outputs(llm, [prompts[1]], params)  # 120 prompt tokens: decode crosses 128
+        assert alone[0][0] == results[name][1][0]
+        if name == "ctx":
+            ctx = _runner(llm).stats.decode_ctx
+            assert ctx[128] > 0 and ctx[256] > 0  # both buckets were really used
+    ref = results["off"]
+    for name, got in results.items():
+        for (tokens, lps), (ref_tokens, ref_lps) in zip(got, ref, strict=True):
+            assert tokens == ref_tokens, name
+            assert lps == pytest.approx(ref_lps, abs=1e-5), name
+
+
+def test_bucket_stats_count_padding(tiny_llama_dir):
+    llm = _llm(tiny_llama_dir)
+    stats = _runner(llm).stats
+    assert set(stats.decode) == {1, 2, 4, 8} and all(c.executions == 0 for c in stats.decode.values())
+    llm.generate([[5] * 10, [6] * 20, [7] * 30], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert stats.prefill[128].executions == 3 and stats.prefill[128].padding == 3 * 128 - 60
+    assert stats.decode[4].executions >= 1 and stats.decode[4].padding >= 1
