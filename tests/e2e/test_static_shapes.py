@@ -127,3 +127,18 @@ def test_bucket_stats_count_padding(tiny_llama_dir):
     llm.generate([[5] * 10, [6] * 20, [7] * 30], SamplingParams(max_tokens=3, ignore_eos=True))
     assert stats.prefill[128].executions == 3 and stats.prefill[128].padding == 3 * 128 - 60
     assert stats.decode[4].executions >= 1 and stats.decode[4].padding >= 1
+
+
+def test_engine_stats(tiny_llama_dir):
+    llm = _llm(tiny_llama_dir)
+    engine = llm.llm_engine
+    engine.add_request("a", [5] * 40, SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()
+    stats = engine.get_stats()
+    assert stats["scheduler_state"] == "active_prefill" and stats["num_running"] == 1
+    assert stats["kv_blocks_used"] == 3  # ceil(40 / 16)
+    assert stats["kv_blocks_used"] + stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats["total_padding_tokens"] == 128 - 40
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.get_stats()["kv_blocks_used"] == 0

@@ -193,6 +193,24 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.parents)
 
+    def get_stats(self) -> dict[str, Any]:
+        """Scheduler and KV cache state plus per-bucket padding counters (plain numbers)."""
+        scheduler = self.scheduler
+        pool = self.engine_core.kv_cache_manager.pool
+        runner_stats = self.engine_core.executor.worker.model_runner.stats
+        return {
+            "scheduler_state": scheduler.state.value,
+            "num_running": scheduler.num_running,
+            "num_waiting": scheduler.num_waiting,
+            "max_kv_concurrent": scheduler.max_kv_concurrent,
+            "total_padding_tokens": scheduler.total_padding_tokens,
+            "kv_blocks_total": pool.num_usable_blocks,
+            "kv_blocks_free": pool.num_free_blocks,
+            "kv_blocks_used": pool.num_usable_blocks - pool.num_free_blocks,
+            "kv_usage": pool.usage(),
+            "buckets": runner_stats,
+        }
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.parents)
 
