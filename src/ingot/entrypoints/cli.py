@@ -179,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("out_dir", help="output directory")
     conv.add_argument("--dtype", default="float32", help="weight dtype (default: %(default)s)")
     conv.set_defaults(func=cmd_convert)
+
+    from ingot.accuracy.cli import add_validate_parser
+
+    add_validate_parser(sub, add_engine_args)
     return parser
 
 
