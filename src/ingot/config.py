@@ -51,6 +51,7 @@ KNOWN_ADDITIONAL_CONFIG = {
     "num_batched_tokens_buckets",
     "num_seqs_buckets",
     "decode_context_length_buckets",
+    "profiler",
 }
 
 
@@ -258,6 +259,9 @@ class EngineArgs:
                 f"unknown additional_config key(s): {', '.join(sorted(unknown))}; "
                 f"known: {', '.join(sorted(KNOWN_ADDITIONAL_CONFIG))}"
             )
+        from ingot.worker.profiler import ProfilerConfig
+
+        ProfilerConfig.from_dict(additional_config.get("profiler"))  # validate now
         model_config = ModelConfig(
             model=path,
             format=fmt,

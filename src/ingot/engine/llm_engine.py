@@ -193,6 +193,13 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.parents)
 
+    def start_profile(self) -> None:
+        self.engine_core.executor.profile(is_start=True)
+
+    def stop_profile(self) -> str | None:
+        """Stops the profiler; returns the trace path (None if nothing was recorded)."""
+        return self.engine_core.executor.profile(is_start=False)
+
     def get_stats(self) -> dict[str, Any]:
         """Scheduler and KV cache state plus per-bucket padding counters (plain numbers)."""
         scheduler = self.scheduler

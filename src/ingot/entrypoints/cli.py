@@ -1,4 +1,4 @@
-"""`ingot` command line: generate | chat | convert (serve, bench, compile, validate come later).
+"""`ingot` command line: serve | generate | chat | convert | validate.
 
 Engine flags use vLLM's names. Errors a user can cause print one ``error:`` line, no traceback.
 """
@@ -154,11 +154,46 @@ def cmd_convert(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(ns: argparse.Namespace) -> int:
+    import os
+
+    from ingot.entrypoints.openai.api_server import serve
+
+    if ns.model_tag is not None:
+        if ns.model is not None and ns.model != ns.model_tag:
+            raise ValueError("give the model either as the positional MODEL or as --model, not both")
+        ns.model = ns.model_tag
+    if ns.max_request_body_bytes <= 0:
+        raise ValueError("--max-request-body-bytes must be positive")
+    args = engine_args_from(ns)
+    return serve(
+        args,
+        ns.host,
+        ns.port,
+        {
+            "api_key": ns.api_key or os.environ.get("INGOT_API_KEY"),
+            "max_body_bytes": ns.max_request_body_bytes,
+        },
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ingot", description="ingot LLM inference engine")
     parser.add_argument("--version", action="version", version=f"ingot {__version__}")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sub = parser.add_subparsers(dest="command", required=True)
+
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    srv.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                     help="model path (same as --model)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None,
+                     help="require this key as 'Authorization: Bearer KEY' on /v1 routes "
+                     "(also INGOT_API_KEY)")
+    srv.add_argument("--max-request-body-bytes", type=int, default=8 * 2**20)
+    add_engine_args(srv)
+    srv.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="complete one prompt and print the result")
     gen.add_argument("prompt", help="the prompt text")

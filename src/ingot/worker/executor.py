@@ -20,3 +20,6 @@ class UniProcExecutor:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
+
+    def profile(self, is_start: bool) -> str | None:
+        return self.worker.profile(is_start)

@@ -17,8 +17,8 @@ from ingot.config import EngineConfig
 from ingot.core.kv_cache_manager import NULL_BLOCK_ID, cdiv
 from ingot.core.sched_output import SchedulerOutput
 from ingot.engine.sampling_params import SamplingParams
-from ingot.model_executor.layers.attention import AttentionMetadata
 from ingot.metrics.stats import BucketStats
+from ingot.model_executor.layers.attention import AttentionMetadata
 from ingot.model_executor.layers.sampler import (
     LogprobsTensors,
     Sampler,

@@ -4,6 +4,7 @@ steps through its ModelRunner."""
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
@@ -21,6 +22,7 @@ from ingot.worker.kv_budget import (
     num_blocks_for_budget,
 )
 from ingot.worker.model_runner import ModelRunner, ModelRunnerOutput
+from ingot.worker.profiler import ProfilerConfig, StepProfiler
 
 logger = logging.getLogger("ingot")
 
@@ -92,13 +94,20 @@ class Worker:
         self.platform = resolve_platform(config.device)
         self.device = self.platform.device()
         torch.manual_seed(config.model_config.seed)
+        start = time.perf_counter()
         self.model = load_model(config.model_config, self.device)
+        self.load_seconds = time.perf_counter() - start
+        self.load_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.profiler = StepProfiler(
+            ProfilerConfig.from_dict(config.additional_config.get("profiler")),
+            rank=0,
+            device_type=self.device.type,
+        )
 
         dtype = config.model_config.dtype
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         # Memory still free now, plus what the weights took: the total before loading.
-        total = self.platform.available_memory_bytes(self.device) + weight_bytes
-        num_blocks = plan_num_blocks(config, total, weight_bytes, dtype)
+        total = self.platform.available_memory_bytes(self.device) + self.load_bytes
+        num_blocks = plan_num_blocks(config, total, self.load_bytes, dtype)
         config.cache_config.num_blocks = num_blocks
         hf = config.model_config.hf_config
         num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
@@ -113,4 +122,14 @@ class Worker:
         self.model_runner = ModelRunner(config, self.model, self.kv_caches, self.device)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.model_runner.execute_model(scheduler_output)
+        output = self.model_runner.execute_model(scheduler_output)
+        if not scheduler_output.is_empty:
+            self.profiler.step()
+        return output
+
+    def profile(self, is_start: bool) -> str | None:
+        if is_start:
+            self.profiler.start()
+            return None
+        path = self.profiler.stop()
+        return None if path is None else str(path)

@@ -1,0 +1,378 @@
+"""Completion and chat-completion handlers: request -> engine requests -> OpenAI responses
+(whole, or streamed as server-sent events)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ingot.engine.async_engine import AsyncLLM
+from ingot.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from ingot.engine.sampling_params import SamplingParams
+from ingot.engine.tokenizer import apply_chat_template
+from ingot.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    UsageInfo,
+    now,
+    random_id,
+)
+from ingot.errors import PromptTooLongError
+
+
+@dataclass
+class PreparedPrompt:
+    text: str | None
+    token_ids: list[int]
+
+
+@dataclass
+class _ChoiceState:
+    """What was already sent of one choice (engine outputs are cumulative)."""
+
+    text_len: int = 0
+    num_tokens: int = 0
+    finished: bool = False
+
+
+@dataclass
+class _StreamState:
+    choices: dict[int, _ChoiceState] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+def check_prompt_fits(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:
+    if prompt_len > max_model_len:
+        raise PromptTooLongError(
+            f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+            f"{prompt_len} tokens; shorten the prompt"
+        )
+    if max_tokens is not None and prompt_len + max_tokens > max_model_len:
+        raise PromptTooLongError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+            f"{max_tokens} for the completion); reduce max_tokens or the prompt"
+        )
+
+
+async def merge(
+    streams: list[AsyncIterator[RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several generators; closing the merge closes (and so aborts) all of them."""
+    q: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for item in stream:
+                await q.put((i, item))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
+            await q.put((i, exc))
+        finally:
+            await q.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await q.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            await s.aclose()
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, served_model_name: str) -> None:
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.model_config.max_model_len
+
+    # ---- prompts -------------------------------------------------------------------------
+    def _need_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise ValueError("the server runs without a tokenizer; send token-id prompts")
+        return self.tokenizer
+
+    def completion_prompts(self, prompt: Any) -> list[PreparedPrompt]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            prompt = [prompt]
+        if not prompt:
+            raise ValueError("prompt is empty; give at least one token")
+        prepared = []
+        for p in prompt:
+            if isinstance(p, str):
+                if not p:
+                    raise ValueError("prompt is empty; give at least one token")
+                prepared.append(PreparedPrompt(p, self._need_tokenizer().encode(p)))
+            else:
+                if not p:
+                    raise ValueError("prompt is empty; give at least one token")
+                prepared.append(PreparedPrompt(None, list(p)))
+        return prepared
+
+    def chat_prompt(self, request: ChatCompletionRequest) -> PreparedPrompt:
+        if not request.messages:
+            raise ValueError("messages is empty; give at least one message")
+        tokenizer = self._need_tokenizer()
+        text = apply_chat_template(
+            tokenizer,
+            request.message_dicts(),
+            add_generation_prompt=request.add_generation_prompt,
+            chat_template=request.chat_template,
+            **(request.chat_template_kwargs or {}),
+        )
+        return PreparedPrompt(text, tokenizer.encode(text, add_special_tokens=False))
+
+    # ---- engine --------------------------------------------------------------------------
+    def _streams(
+        self, prompts: list[PreparedPrompt], params_list: list[SamplingParams], prefix: str
+    ) -> list[AsyncIterator[RequestOutput]]:
+        return [
+            self.engine.generate(
+                {"prompt": p.text, "prompt_token_ids": p.token_ids}, params, f"{prefix}-{i}"
+            )
+            for i, (p, params) in enumerate(zip(prompts, params_list, strict=True))
+        ]
+
+    # ---- completions ---------------------------------------------------------------------
+    def prepare_completion(
+        self, request: CompletionRequest
+    ) -> tuple[list[PreparedPrompt], list[SamplingParams]]:
+        prompts = self.completion_prompts(request.prompt)
+        params_list = []
+        for p in prompts:
+            params = request.to_sampling_params(self.max_model_len, len(p.token_ids))
+            check_prompt_fits(len(p.token_ids), params.max_tokens, self.max_model_len)
+            params_list.append(params)
+        return prompts, params_list
+
+    @staticmethod
+    def _completion_logprobs(c: CompletionOutput, start: int, text_offset: int) -> dict[str, Any] | None:
+        if c.logprobs is None:
+            return None
+        tokens, token_lps, tops, offsets = [], [], [], []
+        offset = text_offset
+        for tid, entry in zip(c.token_ids[start:], c.logprobs[start:], strict=False):
+            sampled = entry[tid]
+            text = sampled.decoded_token or ""
+            tokens.append(text)
+            token_lps.append(sampled.logprob)
+            tops.append({(lp.decoded_token or ""): lp.logprob for lp in entry.values()})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    async def completion(self, request: CompletionRequest) -> dict[str, Any]:
+        prompts, params_list = self.prepare_completion(request)
+        request_id = random_id("cmpl")
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in merge(self._streams(prompts, params_list, request_id)):
+            finals[i] = out
+        n = params_list[0].n
+        choices = []
+        completion_tokens = 0
+        for i in range(len(prompts)):
+            for c in finals[i].outputs:
+                completion_tokens += len(c.token_ids)
+                choices.append({
+                    "index": i * n + c.index,
+                    "text": c.text,
+                    "logprobs": self._completion_logprobs(c, 0, 0),
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                })
+        prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        return {
+            "id": request_id,
+            "object": "text_completion",
+            "created": now(),
+            "model": self.served_model_name,
+            "choices": choices,
+            "usage": UsageInfo(
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                total_tokens=prompt_tokens + completion_tokens,
+            ).model_dump(),
+        }
+
+    async def completion_stream(
+        self, request: CompletionRequest, prompts: list[PreparedPrompt], params_list: list[SamplingParams]
+    ) -> AsyncIterator[str]:
+        request_id = random_id("cmpl")
+        created = now()
+        n = params_list[0].n
+        state = _StreamState(prompt_tokens=sum(len(p.token_ids) for p in prompts))
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        continuous = bool(request.stream_options and request.stream_options.continuous_usage_stats)
+        async for i, out in merge(self._streams(prompts, params_list, request_id)):
+            for c in out.outputs:
+                index = i * n + c.index
+                cs = state.choices.setdefault(index, _ChoiceState())
+                delta_text = c.text[cs.text_len :]
+                new_tokens = len(c.token_ids) - cs.num_tokens
+                if cs.finished or (not delta_text and not c.finish_reason and (
+                        new_tokens == 0 or c.logprobs is None)):
+                    continue
+                chunk_choice = {
+                    "index": index,
+                    "text": delta_text,
+                    "logprobs": self._completion_logprobs(c, cs.num_tokens, cs.text_len),
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                cs.text_len = len(c.text)
+                cs.num_tokens = len(c.token_ids)
+                state.completion_tokens += max(new_tokens, 0)
+                cs.finished = c.finish_reason is not None
+                chunk = {
+                    "id": request_id, "object": "text_completion", "created": created,
+                    "model": self.served_model_name, "choices": [chunk_choice],
+                }
+                if include_usage and continuous:
+                    chunk["usage"] = self._usage(state)
+                yield sse(chunk)
+        if include_usage:
+            yield sse({
+                "id": request_id, "object": "text_completion", "created": created,
+                "model": self.served_model_name, "choices": [], "usage": self._usage(state),
+            })
+        yield "data: [DONE]\n\n"
+
+    @staticmethod
+    def _usage(state: _StreamState) -> dict[str, int]:
+        return {
+            "prompt_tokens": state.prompt_tokens,
+            "completion_tokens": state.completion_tokens,
+            "total_tokens": state.prompt_tokens + state.completion_tokens,
+        }
+
+    # ---- chat ----------------------------------------------------------------------------
+    def prepare_chat(self, request: ChatCompletionRequest) -> tuple[PreparedPrompt, SamplingParams]:
+        prompt = self.chat_prompt(request)
+        params = request.to_sampling_params(self.max_model_len, len(prompt.token_ids))
+        check_prompt_fits(len(prompt.token_ids), params.max_tokens, self.max_model_len)
+        return prompt, params
+
+    @staticmethod
+    def _chat_logprob_entry(tid: int, entry: dict[int, Logprob], top_n: int) -> dict[str, Any]:
+        def item(lp: Logprob) -> dict[str, Any]:
+            token = lp.decoded_token or ""
+            return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode("utf-8"))}
+
+        sampled = item(entry[tid])
+        tops = sorted(entry.values(), key=lambda lp: lp.rank or 0)
+        sampled["top_logprobs"] = [item(lp) for lp in tops if (lp.rank or 0) >= 1][:top_n]
+        return sampled
+
+    def _chat_logprobs(self, c: CompletionOutput, start: int, top_n: int) -> dict[str, Any] | None:
+        if c.logprobs is None:
+            return None
+        return {
+            "content": [
+                self._chat_logprob_entry(tid, entry, top_n)
+                for tid, entry in zip(c.token_ids[start:], c.logprobs[start:], strict=False)
+            ]
+        }
+
+    async def chat(self, request: ChatCompletionRequest) -> dict[str, Any]:
+        prompt, params = self.prepare_chat(request)
+        request_id = random_id("chatcmpl")
+        final = None
+        async for _, out in merge(self._streams([prompt], [params], request_id)):
+            final = out
+        assert final is not None
+        top_n = request.top_logprobs or 0
+        choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": self._chat_logprobs(c, 0, top_n),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for c in final.outputs
+        ]
+        completion_tokens = sum(len(c.token_ids) for c in final.outputs)
+        return {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": now(),
+            "model": self.served_model_name,
+            "choices": choices,
+            "usage": UsageInfo(
+                prompt_tokens=len(prompt.token_ids),
+                completion_tokens=completion_tokens,
+                total_tokens=len(prompt.token_ids) + completion_tokens,
+            ).model_dump(),
+        }
+
+    async def chat_stream(
+        self, request: ChatCompletionRequest, prompt: PreparedPrompt, params: SamplingParams
+    ) -> AsyncIterator[str]:
+        request_id = random_id("chatcmpl")
+        created = now()
+        top_n = request.top_logprobs or 0
+        state = _StreamState(prompt_tokens=len(prompt.token_ids))
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        continuous = bool(request.stream_options and request.stream_options.continuous_usage_stats)
+
+        def chunk(choices: list[dict[str, Any]], usage: bool = False) -> str:
+            body: dict[str, Any] = {
+                "id": request_id, "object": "chat.completion.chunk", "created": created,
+                "model": self.served_model_name, "choices": choices,
+            }
+            if usage:
+                body["usage"] = self._usage(state)
+            return sse(body)
+
+        for i in range(params.n):
+            yield chunk(
+                [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None}],
+                usage=include_usage and continuous,
+            )
+        async for _, out in merge(self._streams([prompt], [params], request_id)):
+            for c in out.outputs:
+                cs = state.choices.setdefault(c.index, _ChoiceState())
+                if cs.finished:
+                    continue
+                delta_text = c.text[cs.text_len :]
+                new_tokens = len(c.token_ids) - cs.num_tokens
+                # Text held back (a split character, a possible stop string) waits for a later
+                # chunk unless logprobs are streamed token by token.
+                if not delta_text and not c.finish_reason and (new_tokens == 0 or c.logprobs is None):
+                    continue
+                choice = {
+                    "index": c.index,
+                    "delta": {"content": delta_text} if delta_text else {},
+                    "logprobs": self._chat_logprobs(c, cs.num_tokens, top_n),
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                cs.text_len = len(c.text)
+                cs.num_tokens = len(c.token_ids)
+                state.completion_tokens += max(new_tokens, 0)
+                cs.finished = c.finish_reason is not None
+                yield chunk([choice], usage=include_usage and continuous)
+        if include_usage:
+            yield chunk([], usage=True)
+        yield "data: [DONE]\n\n"
+
+
+def sse(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"

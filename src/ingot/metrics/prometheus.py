@@ -1,0 +1,196 @@
+"""Prometheus metrics with vLLM's names under the ``ingot:`` prefix, plus the design's own
+(padding per bucket, executions per bucket, start-up, load and compile figures).
+
+The engine runs on a thread of the server process, so one registry per server is exact; no
+multiprocess mode is needed. Every bucket's label children are created at zero at start-up.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from ingot.engine.llm_engine import LLMEngine
+from ingot.engine.outputs import RequestOutput
+from ingot.metrics.stats import BucketCounter, BucketStats
+
+PREFIX = "ingot:"
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0,
+)
+SEQS_PADDING_BUCKETS = tuple(float(2**i) for i in range(8))  # 1 ... 128
+TOKENS_PADDING_BUCKETS = tuple(float(2**i) for i in range(5, 15))  # 32 ... 16384
+
+
+def prefill_label(bucket: int) -> str:
+    return f"prefill_s{bucket}"
+
+
+def decode_label(bucket: int, ctx: int | None = None) -> str:
+    return f"decode_b{bucket}" if ctx is None else f"decode_b{bucket}_ctx{ctx}"
+
+
+@dataclass
+class _Seen:
+    """What was already counted of a request (outputs are cumulative)."""
+
+    num_tokens: int = 0
+    last_token_time: float | None = None
+    prompt_counted: bool = False
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r, m = self.registry, ["model_name"]
+        self.model_name = model_name
+        self.running = Gauge(f"{PREFIX}num_requests_running", "Requests running", m, registry=r)
+        self.waiting = Gauge(f"{PREFIX}num_requests_waiting", "Requests waiting", m, registry=r)
+        self.kv_usage = Gauge(f"{PREFIX}kv_cache_usage_perc", "KV cache usage (0-1)", m, registry=r)
+        self.kv_blocks_free = Gauge(f"{PREFIX}kv_cache_free_blocks", "Free KV blocks", m, registry=r)
+        self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prefilled prompt tokens", m, registry=r)
+        self.generation_tokens = Counter(
+            f"{PREFIX}generation_tokens", "Generated tokens", m, registry=r
+        )
+        self.request_success = Counter(
+            f"{PREFIX}request_success", "Finished requests by finish reason",
+            [*m, "finished_reason"], registry=r,
+        )
+        self.ttft = Histogram(
+            f"{PREFIX}time_to_first_token_seconds", "Time to first token", m,
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.itl = Histogram(
+            f"{PREFIX}inter_token_latency_seconds", "Time between output tokens", m,
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.e2e = Histogram(
+            f"{PREFIX}e2e_request_latency_seconds", "Arrival to finish", m,
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.queue_time = Histogram(
+            f"{PREFIX}request_queue_time_seconds", "Arrival to first scheduled", m,
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        b = [*m, "bucket_name"]
+        self.seqs_padding = Histogram(
+            f"{PREFIX}num_seqs_padding", "Dummy decode rows per execution", b,
+            buckets=SEQS_PADDING_BUCKETS, registry=r,
+        )
+        self.tokens_padding = Histogram(
+            f"{PREFIX}num_batched_tokens_padding", "Padded prefill tokens per execution", b,
+            buckets=TOKENS_PADDING_BUCKETS, registry=r,
+        )
+        self.executions = Counter(
+            f"{PREFIX}bucket_execution_count", "Model executions per bucket", b, registry=r
+        )
+        self.startup = Gauge(f"{PREFIX}startup_time_seconds", "Start to ready", m, registry=r)
+        self.model_load = Gauge(f"{PREFIX}model_load_time_seconds", "Model load time", m, registry=r)
+        self.model_bytes = Gauge(f"{PREFIX}model_load_size_bytes", "Weight bytes", m, registry=r)
+        self.compilation = Gauge(
+            f"{PREFIX}compilation_time_seconds", "Graph compilation time", m, registry=r
+        )
+        self._seen: dict[str, _Seen] = {}
+        self._last_buckets: dict[tuple[str, int], BucketCounter] = {}
+        self._last_ctx: dict[int, int] = {}
+        self._ctx_labels = False
+
+    def labels(self, metric):  # noqa: ANN001, ANN201
+        return metric.labels(model_name=self.model_name)
+
+    def init_buckets(self, stats: BucketStats) -> None:
+        """Create every bucket child at zero, so the grid is visible before traffic."""
+        for bucket in stats.prefill:
+            self._bucket_children(prefill_label(bucket), prefill=True)
+        for bucket in stats.decode:
+            self._bucket_children(decode_label(bucket), prefill=False)
+        # Context buckets configured: decode executions are labelled per (batch, context) pair.
+        self._ctx_labels = len(stats.decode_ctx) > 1
+        if self._ctx_labels:
+            for ctx in stats.decode_ctx:
+                for bucket in stats.decode:
+                    self.executions.labels(
+                        model_name=self.model_name, bucket_name=decode_label(bucket, ctx)
+                    )
+        self._snapshot(stats)
+
+    def _bucket_children(self, label: str, prefill: bool) -> None:
+        self.executions.labels(model_name=self.model_name, bucket_name=label)
+        hist = self.tokens_padding if prefill else self.seqs_padding
+        hist.labels(model_name=self.model_name, bucket_name=label)
+
+    def _snapshot(self, stats: BucketStats) -> None:
+        for kind, table in (("prefill", stats.prefill), ("decode", stats.decode)):
+            for bucket, c in table.items():
+                self._last_buckets[(kind, bucket)] = BucketCounter(c.executions, c.actual, c.padded)
+        self._last_ctx = dict(stats.decode_ctx)
+
+    def record_startup(self, startup_s: float, load_s: float, load_bytes: int, compile_s: float) -> None:
+        self.labels(self.startup).set(startup_s)
+        self.labels(self.model_load).set(load_s)
+        self.labels(self.model_bytes).set(load_bytes)
+        self.labels(self.compilation).set(compile_s)
+
+    def record_abort(self, request_id: str) -> None:
+        self.request_success.labels(model_name=self.model_name, finished_reason="abort").inc()
+        self._seen.pop(request_id, None)
+
+    def _record_buckets(self, stats: BucketStats) -> None:
+        changed_ctx = [c for c, n in stats.decode_ctx.items() if n != self._last_ctx.get(c, 0)]
+        for kind, table in (("prefill", stats.prefill), ("decode", stats.decode)):
+            for bucket, c in table.items():
+                last = self._last_buckets.get((kind, bucket), BucketCounter())
+                runs = c.executions - last.executions
+                if runs <= 0:
+                    continue
+                pad_each = (c.padding - last.padding) / runs
+                if kind == "prefill":
+                    label = prefill_label(bucket)
+                    self.tokens_padding.labels(model_name=self.model_name, bucket_name=label).observe(pad_each)
+                else:
+                    label = decode_label(bucket)
+                    self.seqs_padding.labels(model_name=self.model_name, bucket_name=label).observe(pad_each)
+                    if changed_ctx and self._ctx_labels:
+                        label = decode_label(bucket, changed_ctx[0])
+                self.executions.labels(model_name=self.model_name, bucket_name=label).inc(runs)
+        self._snapshot(stats)
+
+    def record_step(self, engine: LLMEngine, outputs: list[RequestOutput], step_s: float) -> None:
+        now = time.time()
+        sched = engine.scheduler
+        self.labels(self.running).set(sched.num_running)
+        self.labels(self.waiting).set(sched.num_waiting)
+        pool = engine.engine_core.kv_cache_manager.pool
+        self.labels(self.kv_usage).set(pool.usage())
+        self.labels(self.kv_blocks_free).set(pool.num_free_blocks)
+        self._record_buckets(engine.engine_core.executor.worker.model_runner.stats)
+        for out in outputs:
+            seen = self._seen.setdefault(out.request_id, _Seen())
+            metrics = out.metrics
+            if not seen.prompt_counted and any(c.token_ids for c in out.outputs):
+                seen.prompt_counted = True
+                self.labels(self.prompt_tokens).inc(len(out.prompt_token_ids))
+                if metrics is not None:
+                    self.labels(self.ttft).observe(now - metrics.arrival_time)
+                    if metrics.first_scheduled_time is not None:
+                        self.labels(self.queue_time).observe(
+                            metrics.first_scheduled_time - metrics.arrival_time
+                        )
+            total = sum(len(c.token_ids) for c in out.outputs)
+            if total > seen.num_tokens:
+                self.labels(self.generation_tokens).inc(total - seen.num_tokens)
+                if seen.last_token_time is not None:
+                    self.labels(self.itl).observe(now - seen.last_token_time)
+                seen.last_token_time = now
+                seen.num_tokens = total
+            if out.finished:
+                for c in out.outputs:
+                    self.request_success.labels(
+                        model_name=self.model_name, finished_reason=c.finish_reason or "unknown"
+                    ).inc()
+                if metrics is not None:
+                    self.labels(self.e2e).observe(now - metrics.arrival_time)
+                self._seen.pop(out.request_id, None)

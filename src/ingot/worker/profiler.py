@@ -1,0 +1,120 @@
+"""Step-driven torch.profiler control for /start_profile and /stop_profile.
+
+The original's state machine: after a start, wait ``delay_iterations`` forward steps, then
+record for at most ``max_iterations`` steps (0 = until stopped), then write one Chrome/Perfetto
+trace per rank into a fresh directory under ``output_dir`` (one directory per start/stop cycle).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("ingot")
+
+
+@dataclass
+class ProfilerConfig:
+    output_dir: str = "./ingot_profiles"
+    delay_iterations: int = 0
+    max_iterations: int = 0
+    record_shapes: bool = False
+    with_stack: bool = False
+    ranks: list[int] | None = None  # None: rank 0 only
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_dict(cls, value: Any) -> ProfilerConfig:
+        if value is None:
+            return cls()
+        if not isinstance(value, dict):
+            raise ValueError(f"additional_config.profiler must be an object, got {value!r}")
+        known = {"output_dir", "delay_iterations", "max_iterations", "record_shapes", "with_stack", "ranks"}
+        unknown = set(value) - known
+        if unknown:
+            raise ValueError(
+                f"unknown profiler option(s) {sorted(unknown)}; known: {sorted(known)}"
+            )
+        config = cls(**value)
+        for name in ("delay_iterations", "max_iterations"):
+            v = getattr(config, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"profiler.{name} must be an integer >= 0, got {v!r}")
+        return config
+
+
+class StepProfiler:
+    def __init__(self, config: ProfilerConfig, rank: int = 0, device_type: str = "cpu") -> None:
+        self.config = config
+        self.rank = rank
+        self.device_type = device_type
+        self.enabled = rank in (config.ranks if config.ranks is not None else [0])
+        self._profiler: torch.profiler.profile | None = None
+        self._delay_left = 0
+        self._recorded = 0
+        self._armed = False
+        self.last_trace: Path | None = None
+
+    @property
+    def active(self) -> bool:
+        return self._profiler is not None
+
+    def start(self) -> None:
+        if not self.enabled:
+            return
+        if self._armed or self.active:
+            raise ValueError("the profiler is already running; call /stop_profile first")
+        self._armed = True
+        self._delay_left = self.config.delay_iterations
+        self._recorded = 0
+        if self._delay_left == 0:
+            self._begin()
+
+    def _begin(self) -> None:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device_type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._profiler = torch.profiler.profile(
+            activities=activities,
+            record_shapes=self.config.record_shapes,
+            with_stack=self.config.with_stack,
+        )
+        self._profiler.__enter__()
+        logger.info("profiler recording (rank %d)", self.rank)
+
+    def step(self) -> None:
+        """Called once per forward step."""
+        if not self._armed:
+            return
+        if not self.active:
+            if self._delay_left > 0:
+                self._delay_left -= 1
+                if self._delay_left == 0:
+                    self._begin()
+            return
+        self._recorded += 1
+        if self.config.max_iterations and self._recorded >= self.config.max_iterations:
+            self.stop()
+
+    def stop(self) -> Path | None:
+        if not self._armed:
+            return None
+        self._armed = False
+        if self._profiler is None:
+            return None
+        profiler, self._profiler = self._profiler, None
+        profiler.__exit__(None, None, None)
+        stamp = time.strftime("%Y%m%d-%H%M%S") + f"-{time.monotonic_ns() % 10**6:06d}"
+        out_dir = Path(self.config.output_dir) / f"{stamp}_pid{os.getpid()}"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / f"rank{self.rank}.trace.json"
+        profiler.export_chrome_trace(str(path))
+        self.last_trace = path
+        logger.info("profiler trace (%d steps) written to %s", self._recorded, path)
+        return path
