@@ -85,6 +85,7 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None
     kv_cache_dtype: str
     gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
     num_blocks: int | None = None  # decided by the worker from the memory budget
 
 
@@ -179,6 +180,7 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
     device: str = "auto"
     hf_overrides: dict[str, Any] | str | None = None
     additional_config: dict[str, Any] | str | None = None
@@ -283,6 +285,7 @@ class EngineArgs:
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 kv_cache_dtype=self.kv_cache_dtype,
                 gpu_memory_utilization=float(self.gpu_memory_utilization),
+                enable_prefix_caching=bool(self.enable_prefix_caching),
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

@@ -58,16 +58,21 @@ def test_greedy_matches_hf_batched_and_alone(llm, hf_reference):
     for ids, want in zip(prompt_ids, expected, strict=True):
         (alone,) = llm.generate([{"prompt_token_ids": ids}], params)
         assert alone.outputs[0].token_ids == want
+        # The batch left these prompts in the prefix cache: the rerun reused their KV.
+        assert alone.num_cached_tokens == (len(ids) - 1) // 32 * 32
 
 
 @pytest.mark.parametrize(
-    "additional_config",
-    [{"enable_bucketing": False}, {"decode_context_length_buckets": [256, 512]}],
-    ids=["buckets-off", "context-buckets"],
+    "kwargs",
+    [
+        {"additional_config": {"enable_bucketing": False}, "enable_prefix_caching": False},
+        {"additional_config": {"decode_context_length_buckets": [256, 512]}},
+    ],
+    ids=["buckets-and-prefix-caching-off", "context-buckets"],
 )
-def test_greedy_matches_hf_with_other_shapes(hf_reference, additional_config):
+def test_greedy_matches_hf_with_other_shapes(hf_reference, kwargs):
     prompt_ids, expected = hf_reference
-    llm = LLM(dtype="float32", max_model_len=1024, max_num_seqs=8, additional_config=additional_config)
+    llm = LLM(dtype="float32", max_model_len=1024, max_num_seqs=8, **kwargs)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     batched = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params)
     assert [o.outputs[0].token_ids for o in batched] == expected

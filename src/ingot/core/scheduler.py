@@ -107,7 +107,8 @@ class Scheduler:
         admitted: list[NewRequestData] = []
         while self.holdback and self.can_schedule(len(admitted)):
             request = self.holdback.popleft()
-            self.kv.admit(request.request_id)
+            request.num_computed_tokens = self.kv.admit(request.request_id, request.prompt_token_ids)
+            request.num_cached_tokens = request.num_computed_tokens
             request.status = RequestStatus.RUNNING
             request.metrics.first_scheduled_time = time.time()
             self.running.append(request)
@@ -161,3 +162,7 @@ class Scheduler:
             request = self.requests.get(item.req_id)
             if request is not None:
                 request.num_computed_tokens += len(item.token_ids)
+                if self.kv.has_uncached_full_blocks(request.request_id, request.num_computed_tokens):
+                    self.kv.cache_full_blocks(
+                        request.request_id, request.all_token_ids, request.num_computed_tokens
+                    )

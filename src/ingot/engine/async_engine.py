@@ -27,17 +27,22 @@ from ingot.errors import IngotError
 
 logger = logging.getLogger("ingot")
 
+# Called on the engine thread after every step: (engine, the step's outputs, step seconds).
+StepCallback = Callable[[LLMEngine, list[RequestOutput], float], None]
+# Called on the engine thread after an abort freed a request: (engine, request id, sequences).
+AbortCallback = Callable[[LLMEngine, str, int], None]
+
 
 class EngineDeadError(IngotError, RuntimeError):
-    """The engine loop failed; the server must be restarted."""
+    """The engine loop failed (or was shut down); the server must be restarted."""
 
 
 class AsyncLLM:
     def __init__(
         self,
         engine: LLMEngine,
-        on_step: Callable[[LLMEngine, list[RequestOutput], float], None] | None = None,
-        on_abort: Callable[[str], None] | None = None,
+        on_step: StepCallback | None = None,
+        on_abort: AbortCallback | None = None,
     ) -> None:
         self.engine = engine
         self._on_step = on_step
@@ -47,7 +52,9 @@ class AsyncLLM:
         )
         self._wakeup = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._streams_lock = threading.Lock()
+        # Guards _streams and the dead/stopped transition: a command or stream registered
+        # while the engine dies must either be failed by the loop or see the error itself.
+        self._lock = threading.Lock()
         self._stopped = False
         self.dead_error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="ingot-engine", daemon=True)
@@ -60,6 +67,11 @@ class AsyncLLM:
     @property
     def is_running(self) -> bool:
         return self.dead_error is None and not self._stopped and self._thread.is_alive()
+
+    def _dead(self) -> EngineDeadError:
+        if self.dead_error is not None:
+            return EngineDeadError(f"the engine failed: {self.dead_error!r}; restart the server")
+        return EngineDeadError("the engine is shut down")
 
     # ---- engine thread -------------------------------------------------------------------
     def _run_commands(self) -> None:
@@ -75,56 +87,66 @@ class AsyncLLM:
                     future.set_exception(exc)
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        with self._streams_lock:
+        with self._lock:
             stream = self._streams.get(request_id)
         if stream is not None:
             loop, q = stream
-            loop.call_soon_threadsafe(q.put_nowait, item)
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # the front end's loop is closed: nobody is listening
+                pass
 
     def _loop(self) -> None:
         engine = self.engine
-        while not self._stopped:
-            self._run_commands()
-            if not engine.has_unfinished_requests():
-                self._wakeup.wait(timeout=0.5)
-                self._wakeup.clear()
-                continue
-            start = time.perf_counter()
-            try:
+        try:
+            while not self._stopped:
+                self._run_commands()
+                if not engine.has_unfinished_requests():
+                    self._wakeup.wait(timeout=0.5)
+                    self._wakeup.clear()
+                    continue
+                start = time.perf_counter()
                 outputs = engine.step()
-            except BaseException as exc:  # noqa: BLE001 - the loop must report, not die silently
-                logger.exception("engine step failed; failing every pending request")
+                elapsed = time.perf_counter() - start
+                if self._on_step is not None:
+                    try:
+                        self._on_step(engine, outputs, elapsed)
+                    except Exception:  # metrics must never take the engine down
+                        logger.exception("stat logging failed")
+                for out in outputs:
+                    self._deliver(out.request_id, out)
+        except BaseException as exc:  # noqa: BLE001 - the loop must report, not die silently
+            logger.exception("engine step failed; failing every pending request")
+            with self._lock:
                 self.dead_error = exc
-                with self._streams_lock:
-                    ids = list(self._streams)
-                for rid in ids:
-                    self._deliver(rid, EngineDeadError(f"the engine failed: {exc!r}"))
-                self._fail_pending_commands(exc)
-                return
-            elapsed = time.perf_counter() - start
-            if self._on_step is not None:
-                try:
-                    self._on_step(engine, outputs, elapsed)
-                except Exception:  # metrics must never take the engine down
-                    logger.exception("stat logging failed")
-            for out in outputs:
-                self._deliver(out.request_id, out)
+        self._fail_everything()
 
-    def _fail_pending_commands(self, exc: BaseException) -> None:
+    def _fail_everything(self) -> None:
+        """After the loop ends (failure or shutdown): every stream and queued command gets an
+        error, so no caller waits forever."""
+        with self._lock:
+            self._stopped = True
+            ids = list(self._streams)
+        for rid in ids:
+            self._deliver(rid, self._dead())
         while True:
             try:
                 _, future = self._commands.get_nowait()
             except queue.Empty:
                 return
-            future.set_exception(EngineDeadError(f"the engine failed: {exc!r}"))
+            if future.set_running_or_notify_cancel():
+                future.set_exception(self._dead())
 
     # ---- asyncio side --------------------------------------------------------------------
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the engine thread between steps and await its result."""
-        if self.dead_error is not None:
-            raise EngineDeadError(f"the engine failed: {self.dead_error!r}")
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put((fn, future))
+        with self._lock:
+            # Checked under the lock: once _fail_everything has drained the queue, nothing
+            # new may enter it, or its future would never complete.
+            if self._stopped or self.dead_error is not None:
+                raise self._dead()
+            self._commands.put((fn, future))
         self._wakeup.set()
         return await asyncio.wrap_future(future)
 
@@ -134,7 +156,9 @@ class AsyncLLM:
         """Yields cumulative RequestOutputs; the last one has ``finished=True``. Leaving the
         iteration early (client gone, task cancelled) aborts the request at once."""
         q: asyncio.Queue = asyncio.Queue()
-        with self._streams_lock:
+        with self._lock:
+            if self._stopped or self.dead_error is not None:
+                raise self._dead()
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = (asyncio.get_running_loop(), q)
@@ -156,17 +180,24 @@ class AsyncLLM:
                 if finished:
                     return
         finally:
-            with self._streams_lock:
+            with self._lock:
                 self._streams.pop(request_id, None)
-            if not finished and self.dead_error is None:
+            if not finished and self.is_running:
+                # Shielded: this runs while the caller is being cancelled, and the abort must
+                # reach the engine so the request's KV blocks are freed at once.
                 await asyncio.shield(self.abort(request_id))
 
     async def abort(self, request_id: str) -> None:
         def do_abort() -> None:
-            if request_id in self.engine.parents:
-                self.engine.abort_request(request_id)
-                if self._on_abort is not None:
-                    self._on_abort(request_id)
+            parent = self.engine.parents.get(request_id)
+            if parent is None:  # already finished
+                return
+            self.engine.abort_request(request_id)
+            if self._on_abort is not None:
+                try:
+                    self._on_abort(self.engine, request_id, len(parent.children))
+                except Exception:  # metrics must never take the engine down
+                    logger.exception("stat logging failed")
 
         try:
             await self.call(do_abort)
@@ -177,3 +208,5 @@ class AsyncLLM:
         self._stopped = True
         self._wakeup.set()
         self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            logger.warning("the engine thread did not stop within 10 s")

@@ -36,7 +36,10 @@ class EngineCore:
         self.config = config
         self.executor = UniProcExecutor(config)
         self.kv_cache_manager = KVCacheManager(
-            self.executor.num_blocks, config.cache_config.block_size, config.model_config.max_model_len
+            self.executor.num_blocks,
+            config.cache_config.block_size,
+            config.model_config.max_model_len,
+            enable_prefix_caching=config.cache_config.enable_prefix_caching,
         )
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, config.buckets)
         logger.info(
@@ -193,6 +196,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.parents)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes; refused (False) while requests hold blocks."""
+        return self.engine_core.kv_cache_manager.reset_prefix_cache()
+
     def start_profile(self) -> None:
         self.engine_core.executor.profile(is_start=True)
 
@@ -203,7 +210,8 @@ class LLMEngine:
     def get_stats(self) -> dict[str, Any]:
         """Scheduler and KV cache state plus per-bucket padding counters (plain numbers)."""
         scheduler = self.scheduler
-        pool = self.engine_core.kv_cache_manager.pool
+        kv = self.engine_core.kv_cache_manager
+        pool = kv.pool
         runner_stats = self.engine_core.executor.worker.model_runner.stats
         return {
             "scheduler_state": scheduler.state.value,
@@ -215,6 +223,9 @@ class LLMEngine:
             "kv_blocks_free": pool.num_free_blocks,
             "kv_blocks_used": pool.num_usable_blocks - pool.num_free_blocks,
             "kv_usage": pool.usage(),
+            "prefix_cache_queries": kv.stats.queries,
+            "prefix_cache_hits": kv.stats.hits,
+            "prefix_cache_hit_rate": kv.stats.hit_rate,
             "buckets": runner_stats,
         }
 
@@ -306,6 +317,7 @@ class LLMEngine:
             outputs=[self._completion(i, c) for i, c in enumerate(children)],
             finished=finished,
             metrics=first.metrics,
+            num_cached_tokens=first.num_cached_tokens,
         )
 
     def step(self) -> list[RequestOutput]:

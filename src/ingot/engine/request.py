@@ -40,6 +40,7 @@ class Request:
         self.eos_token_id = eos_token_id
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())

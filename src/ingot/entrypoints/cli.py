@@ -50,6 +50,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                    help="fraction of device memory (host memory on CPU) ingot may use; the KV "
                    "cache gets what the weights leave, capped (default: %(default)s)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=d.enable_prefix_caching,
+                   help="reuse the KV of shared prompt prefixes (default: on)")
     g.add_argument("--hf-overrides", default=None, help="JSON object applied to the HF config")
     g.add_argument("--additional-config", default=None, help="JSON object of ingot options")
     g.add_argument("--served-model-name", default=None)

@@ -25,6 +25,9 @@ class LLM:
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
 
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
+
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 

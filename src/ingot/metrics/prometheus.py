@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -98,7 +99,7 @@ class EngineMetrics:
         self._last_ctx: dict[int, int] = {}
         self._ctx_labels = False
 
-    def labels(self, metric):  # noqa: ANN001, ANN201
+    def labels(self, metric: Counter | Gauge | Histogram) -> Any:
         return metric.labels(model_name=self.model_name)
 
     def init_buckets(self, stats: BucketStats) -> None:
@@ -134,9 +135,23 @@ class EngineMetrics:
         self.labels(self.model_bytes).set(load_bytes)
         self.labels(self.compilation).set(compile_s)
 
-    def record_abort(self, request_id: str) -> None:
-        self.request_success.labels(model_name=self.model_name, finished_reason="abort").inc()
+    def record_gauges(self, engine: LLMEngine) -> None:
+        """Scheduler and KV cache gauges, read from the engine (on the engine thread)."""
+        sched = engine.scheduler
+        self.labels(self.running).set(sched.num_running)
+        self.labels(self.waiting).set(sched.num_waiting)
+        pool = engine.engine_core.kv_cache_manager.pool
+        self.labels(self.kv_usage).set(pool.usage())
+        self.labels(self.kv_blocks_free).set(pool.num_free_blocks)
+
+    def record_abort(self, engine: LLMEngine, request_id: str, num_seqs: int = 1) -> None:
+        """An aborted request: one ``abort`` finish per sequence (as finished requests count one
+        per choice), and the gauges at once, since an abort frees blocks without a step."""
+        self.request_success.labels(model_name=self.model_name, finished_reason="abort").inc(
+            num_seqs
+        )
         self._seen.pop(request_id, None)
+        self.record_gauges(engine)
 
     def _record_buckets(self, stats: BucketStats) -> None:
         changed_ctx = [c for c, n in stats.decode_ctx.items() if n != self._last_ctx.get(c, 0)]
@@ -160,12 +175,7 @@ class EngineMetrics:
 
     def record_step(self, engine: LLMEngine, outputs: list[RequestOutput], step_s: float) -> None:
         now = time.time()
-        sched = engine.scheduler
-        self.labels(self.running).set(sched.num_running)
-        self.labels(self.waiting).set(sched.num_waiting)
-        pool = engine.engine_core.kv_cache_manager.pool
-        self.labels(self.kv_usage).set(pool.usage())
-        self.labels(self.kv_blocks_free).set(pool.num_free_blocks)
+        self.record_gauges(engine)
         self._record_buckets(engine.engine_core.executor.worker.model_runner.stats)
         for out in outputs:
             seen = self._seen.setdefault(out.request_id, _Seen())

@@ -7,6 +7,7 @@ trace per rank into a fresh directory under ``output_dir`` (one directory per st
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -17,6 +18,8 @@ from typing import Any
 import torch
 
 logger = logging.getLogger("ingot")
+
+_CYCLES = itertools.count(1)
 
 
 @dataclass
@@ -46,6 +49,24 @@ class ProfilerConfig:
             v = getattr(config, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"profiler.{name} must be an integer >= 0, got {v!r}")
+        if not isinstance(config.output_dir, str) or not config.output_dir:
+            raise ValueError(
+                f"profiler.output_dir must be a non-empty path string, got {config.output_dir!r}"
+            )
+        for name in ("record_shapes", "with_stack"):
+            if not isinstance(getattr(config, name), bool):
+                raise ValueError(
+                    f"profiler.{name} must be true or false, got {getattr(config, name)!r}"
+                )
+        ranks = config.ranks
+        if ranks is not None and (
+            not isinstance(ranks, list)
+            or any(not isinstance(r, int) or isinstance(r, bool) or r < 0 for r in ranks)
+        ):
+            raise ValueError(
+                f"profiler.ranks must be a list of rank numbers (integers >= 0) or null "
+                f"(rank 0 only), got {ranks!r}"
+            )
         return config
 
 
@@ -60,6 +81,8 @@ class StepProfiler:
         self._recorded = 0
         self._armed = False
         self.last_trace: Path | None = None
+        # A trace written because max_iterations ran out, not yet reported by stop().
+        self._unreported: Path | None = None
 
     @property
     def active(self) -> bool:
@@ -71,6 +94,7 @@ class StepProfiler:
         if self._armed or self.active:
             raise ValueError("the profiler is already running; call /stop_profile first")
         self._armed = True
+        self._unreported = None
         self._delay_left = self.config.delay_iterations
         self._recorded = 0
         if self._delay_left == 0:
@@ -100,18 +124,28 @@ class StepProfiler:
             return
         self._recorded += 1
         if self.config.max_iterations and self._recorded >= self.config.max_iterations:
-            self.stop()
+            self._unreported = self._finish()
 
     def stop(self) -> Path | None:
+        """Stops recording and writes the trace; returns its path. After an automatic stop
+        (max_iterations reached) returns that trace once, so /stop_profile can report it."""
         if not self._armed:
-            return None
+            path, self._unreported = self._unreported, None
+            return path
+        return self._finish()
+
+    def _finish(self) -> Path | None:
         self._armed = False
-        if self._profiler is None:
+        self._unreported = None
+        if self._profiler is None:  # stopped during the delay: nothing was recorded
             return None
         profiler, self._profiler = self._profiler, None
         profiler.__exit__(None, None, None)
-        stamp = time.strftime("%Y%m%d-%H%M%S") + f"-{time.monotonic_ns() % 10**6:06d}"
-        out_dir = Path(self.config.output_dir) / f"{stamp}_pid{os.getpid()}"
+        # One fresh directory per start/stop cycle; the process-wide cycle number keeps two
+        # cycles within the same second (or two engines in one process) apart.
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        cycle = next(_CYCLES)
+        out_dir = Path(self.config.output_dir) / f"{stamp}_pid{os.getpid()}_cycle{cycle}"
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / f"rank{self.rank}.trace.json"
         profiler.export_chrome_trace(str(path))

@@ -11,23 +11,31 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ingot.config import EngineArgs
 from ingot.engine.async_engine import AsyncLLM, EngineDeadError
+from ingot.engine.llm_engine import LLMEngine
 from ingot.engine.tokenizer import apply_chat_template
 from ingot.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    message_dicts,
     now,
 )
 from ingot.entrypoints.openai.serving import OpenAIServing, sse
@@ -40,22 +48,46 @@ logger = logging.getLogger("ingot")
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 M = TypeVar("M", bound=BaseModel)
 
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    499: "invalid_request_error",
+    500: "server_error",
+    503: "server_error",
+}
+
 
 class HTTPError(Exception):
-    def __init__(self, status: int, message: str, err_type: str, param: str | None = None):
+    def __init__(self, status: int, message: str, err_type: str | None = None,
+                 param: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.err_type, self.param = status, message, err_type, param
+        self.status, self.message, self.param = status, message, param
+        self.err_type = err_type or _ERROR_TYPES.get(status, "invalid_request_error")
 
 
-def error_response(status: int, message: str, err_type: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(
-        {"error": {"message": message, "type": err_type, "param": param, "code": status}},
-        status_code=status,
-    )
+def error_body(status: int, message: str, err_type: str | None = None,
+               param: str | None = None) -> dict[str, Any]:
+    err_type = err_type or _ERROR_TYPES.get(status, "invalid_request_error")
+    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+
+
+def error_response(status: int, message: str, err_type: str | None = None,
+                   param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, err_type, param), status_code=status)
 
 
 def bad_request(message: str, param: str | None = None) -> HTTPError:
     return HTTPError(400, message, "invalid_request_error", param)
+
+
+def body_too_large(max_bytes: int) -> HTTPError:
+    return HTTPError(
+        413, f"the request body is larger than the server's limit of {max_bytes} bytes; send "
+        "a smaller request (the limit is `ingot serve --max-request-body-bytes`)",
+    )
 
 
 @dataclass
@@ -65,65 +97,170 @@ class ServerSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
 
+class GuardMiddleware:
+    """API key and declared body size, checked before any route runs.
+
+    A plain ASGI middleware rather than FastAPI's ``@app.middleware("http")``: that one wraps
+    ``receive``, which hides a client's disconnect from the routes (a non-streaming request
+    would then run to the end for nobody instead of being aborted).
+    """
+
+    def __init__(self, app: ASGIApp, settings: ServerSettings) -> None:
+        self.app = app
+        self.settings = settings
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        limit = self.settings.max_body_bytes
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            exc = body_too_large(limit)
+            await error_response(exc.status, exc.message)(scope, receive, send)
+            return
+        key = self.settings.api_key
+        if key and scope["path"].startswith("/v1"):
+            auth = headers.get("authorization", "")
+            token = auth[7:] if auth[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(token.encode(), key.encode()):
+                message = (
+                    "invalid API key; send the server's key as 'Authorization: Bearer KEY'"
+                    if token else
+                    "missing API key; send the server's key as 'Authorization: Bearer KEY'"
+                )
+                await error_response(401, message)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# Pydantic tags a union member's error with the member's type ("str", "list[int]"): not a field.
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|[a-z-]+\[.*\])$")
+
+
+_PARAM_IN_MESSAGE = re.compile(r"^([a-z_]+) must be ")
+
+
+def _split_loc(loc: tuple[Any, ...]) -> tuple[str | None, str | None]:
+    """('messages', 0, 'content', 'str') -> ('messages[0].content', 'str'): the field path and
+    the union member the error is about, if any."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif _TYPE_TAG.match(part):
+            return path or None, part
+        else:
+            path += ("." if path else "") + part
+    return path or None, None
+
+
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
-    err = exc.errors()[0]
-    loc = ".".join(str(x) for x in err.get("loc", ()) if not isinstance(x, int)) or None
+    errors = exc.errors()
+    err = errors[0]
+    loc, member = _split_loc(tuple(err.get("loc", ())))
     if err.get("type") == "extra_forbidden":
-        return f"Unrecognized request argument supplied: {loc}", loc
-    return f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")), loc
+        return f"Unrecognized request argument supplied: {loc}; remove it", loc
+    if err.get("type") == "missing":
+        return f"{loc} is required", loc
+    got = err.get("input")
+    shown = repr(got) if len(repr(got)) <= 60 else repr(got)[:57] + "..."
+    if member is not None:
+        # A union field: pydantic reports one error per member; name them all as the choices.
+        accepted: list[str] = []
+        for e in errors:
+            e_loc, e_member = _split_loc(tuple(e.get("loc", ())))
+            if e_loc == loc and e_member is not None and e_member not in accepted:
+                accepted.append(e_member)
+        return (
+            f"{loc} has the wrong type: got {type(got).__name__} {shown}; expected one of "
+            f"{', '.join(accepted)}", loc,
+        )
+    message = f"{loc}: {err.get('msg')} (got {shown})" if loc else str(err.get("msg"))
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problem(s))"
+    return message, loc
+
+
+def _reject_constant(name: str) -> Any:
+    # Python's json accepts NaN and Infinity, which are not JSON and would pass range checks.
+    raise ValueError(f"{name} is not a valid JSON number")
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The body, read up to the limit: a body without Content-Length (chunked) is cut off as
+    soon as it passes the limit instead of being buffered whole."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise body_too_large(max_bytes)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def parse_body(request: Request, model: type[M], max_bytes: int) -> M:
-    raw = await request.body()
-    if len(raw) > max_bytes:
-        raise HTTPError(413, f"request body is larger than {max_bytes} bytes", "invalid_request_error")
+    raw = await read_body(request, max_bytes)
+    if not raw.strip():
+        raise bad_request("the request body is empty; send a JSON object")
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}") from None
+        data = json.loads(raw, parse_constant=_reject_constant)
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
-        raise bad_request("request body must be a JSON object")
+        raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
     try:
-        return model.model_validate(data)
+        # Strict: a JSON string is not a number and 1 is not true; floats accept integers.
+        return model.model_validate(data, strict=True)
     except ValidationError as exc:
         message, param = _validation_message(exc)
         raise bad_request(message, param) from None
 
 
 async def _until_disconnected(request: Request, work: Awaitable[Any]) -> Any:
-    """Run ``work``; if the client goes away first, cancel it (which aborts its requests)."""
+    """Run ``work``; if the client goes away first, cancel it (which aborts its requests).
+
+    The body has been read, so the next ASGI message can only be the disconnect.
+    """
     task = asyncio.ensure_future(work)
-    while not task.done():
-        done, _ = await asyncio.wait({task}, timeout=0.5)
-        if not done and await request.is_disconnected():
-            task.cancel()
-            raise HTTPError(499, "client disconnected", "invalid_request_error")
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()  # the client left (or this handler was cancelled): abort the work
+    if task not in done:
+        raise HTTPError(499, "the client disconnected; the request was aborted")
     return task.result()
 
 
 def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: EngineMetrics) -> FastAPI:
     app = FastAPI(title="ingot", version=__version__)
+    app.add_middleware(GuardMiddleware, settings=settings)
     serving = OpenAIServing(engine, settings.served_model_name)
     model_config = engine.engine.model_config
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next: Callable) -> Response:
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
-            return error_response(
-                413, f"request body is larger than {settings.max_body_bytes} bytes",
-                "invalid_request_error",
-            )
-        if settings.api_key and request.url.path.startswith("/v1"):
-            auth = request.headers.get("authorization", "")
-            token = auth[7:] if auth.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), settings.api_key.encode()):
-                return error_response(401, "invalid or missing API key", "authentication_error")
-        return await call_next(request)
 
     @app.exception_handler(HTTPError)
     async def on_http_error(_: Request, exc: HTTPError) -> JSONResponse:
         return error_response(exc.status, exc.message, exc.err_type, exc.param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_starlette_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Unknown routes and wrong methods: the same error shape as everything else.
+        message = str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no route {request.url.path}; see /docs for the routes"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        return error_response(exc.status_code, message)
 
     @app.exception_handler(PromptTooLongError)
     async def on_too_long(_: Request, exc: PromptTooLongError) -> JSONResponse:
@@ -131,11 +268,26 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: EngineMetrics
 
     @app.exception_handler(ValueError)
     async def on_value_error(_: Request, exc: ValueError) -> JSONResponse:
-        return error_response(400, str(exc), "invalid_request_error")
+        # SamplingParams' messages start with the field's name ("top_p must be ...").
+        match = _PARAM_IN_MESSAGE.match(str(exc))
+        return error_response(400, str(exc), "invalid_request_error",
+                              match.group(1) if match else None)
+
+    @app.exception_handler(TemplateError)
+    async def on_template_error(_: Request, exc: TemplateError) -> JSONResponse:
+        return error_response(
+            400, f"the chat template failed on these messages: {exc}", "invalid_request_error",
+            "messages",
+        )
 
     @app.exception_handler(EngineDeadError)
     async def on_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return error_response(503, str(exc), "server_error")
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in a request", exc_info=exc)
+        return error_response(500, f"internal server error: {exc!r}", "server_error")
 
     def check_model(name: str | None) -> None:
         if name is not None and name != settings.served_model_name:
@@ -146,12 +298,14 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: EngineMetrics
 
     def stream_response(body: AsyncIterator[str]) -> StreamingResponse:
         async def guarded() -> AsyncIterator[str]:
+            # Headers (200) are already sent: a failure can only be reported in the stream.
             try:
-                async for piece in body:
-                    yield piece
+                async with aclosing(body) as pieces:
+                    async for piece in pieces:
+                        yield piece
             except (ValueError, EngineDeadError) as exc:
                 status = 503 if isinstance(exc, EngineDeadError) else 400
-                yield sse({"error": {"message": str(exc), "type": "server_error", "code": status}})
+                yield sse(error_body(status, str(exc)))
                 yield "data: [DONE]\n\n"
 
         return StreamingResponse(guarded(), media_type="text/event-stream")
@@ -161,6 +315,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: EngineMetrics
         body = await parse_body(request, CompletionRequest, settings.max_body_bytes)
         check_model(body.model)
         if body.stream:
+            # Prepared before the response starts, so a bad request still gets its status.
             prompts, params = serving.prepare_completion(body)
             return stream_response(serving.completion_stream(body, prompts, params))
         return JSONResponse(await _until_disconnected(request, serving.completion(body)))
@@ -192,7 +347,10 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: EngineMetrics
     async def health() -> Response:
         if engine.is_running:
             return Response(status_code=200)
-        return error_response(503, f"the engine is not running: {engine.dead_error!r}", "server_error")
+        return error_response(
+            503, f"the engine is not running: {engine.dead_error!r}; restart the server",
+            "server_error",
+        )
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -207,7 +365,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: EngineMetrics
             raise bad_request("give exactly one of prompt or messages")
         if body.messages is not None:
             text = apply_chat_template(
-                tokenizer, [m.model_dump(exclude_none=True) for m in body.messages],
+                tokenizer, message_dicts(body.messages),
                 add_generation_prompt=body.add_generation_prompt,
             )
             tokens = tokenizer.encode(text, add_special_tokens=False)
@@ -222,7 +380,9 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: EngineMetrics
         vocab = model_config.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
-            raise bad_request(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
+            raise bad_request(
+                f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens"
+            )
         return {"prompt": serving._need_tokenizer().decode(body.tokens)}
 
     @app.get("/metrics")
@@ -242,31 +402,40 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: EngineMetrics
     return app
 
 
-def serve(engine_args: Any, host: str, port: int, settings_kwargs: dict[str, Any]) -> int:
+def build_engine(args: EngineArgs) -> tuple[AsyncLLM, EngineMetrics, float]:
+    """The engine with its metrics wired in; returns (engine, metrics, start-up seconds)."""
+    start = time.perf_counter()
+    config = args.create_engine_config()
+    metrics = EngineMetrics(config.model_config.served_model_name)
+
+    def on_abort(eng: LLMEngine, request_id: str, num_seqs: int) -> None:
+        metrics.record_abort(eng, request_id, num_seqs)
+
+    llm_engine = LLMEngine(config)
+    worker = llm_engine.engine_core.executor.worker
+    metrics.init_buckets(worker.model_runner.stats)
+    metrics.record_gauges(llm_engine)  # idle values (all blocks free) before any traffic
+    engine = AsyncLLM(llm_engine, on_step=metrics.record_step, on_abort=on_abort)
+    elapsed = time.perf_counter() - start
+    # compile_seconds: set by workers that compile graphs; the eager worker compiles nothing.
+    compile_s = float(getattr(worker, "compile_seconds", 0.0) or 0.0)
+    metrics.record_startup(elapsed, worker.load_seconds, worker.load_bytes, compile_s)
+    return engine, metrics, elapsed
+
+
+def serve(engine_args: EngineArgs, host: str, port: int, settings_kwargs: dict[str, Any]) -> int:
     """Build the engine, then serve until interrupted."""
     import uvicorn
 
-    start = time.perf_counter()
-    metrics_holder: dict[str, EngineMetrics] = {}
-
-    def on_step(eng: Any, outputs: Any, elapsed: float) -> None:
-        metrics_holder["m"].record_step(eng, outputs, elapsed)
-
-    def on_abort(request_id: str) -> None:
-        metrics_holder["m"].record_abort(request_id)
-
-    engine = AsyncLLM.from_engine_args(engine_args, on_step=on_step, on_abort=on_abort)
+    engine, metrics, elapsed = build_engine(engine_args)
     served = engine.engine.model_config.served_model_name
-    metrics = EngineMetrics(served)
-    metrics_holder["m"] = metrics
-    worker = engine.engine.engine_core.executor.worker
-    metrics.init_buckets(worker.model_runner.stats)
-    metrics.record_startup(time.perf_counter() - start, worker.load_seconds, worker.load_bytes, 0.0)
     settings = ServerSettings(served_model_name=served, **settings_kwargs)
     app = build_app(engine, settings, metrics)
-    logger.info("ready: serving %s on http://%s:%d (%.1fs)", served, host, port, time.perf_counter() - start)
+    logger.info("ready: serving %s on http://%s:%d (%.1fs)", served, host, port, elapsed)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+        # A bounded graceful shutdown: Ctrl-C must not wait forever on open streams.
+        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False,
+                    timeout_graceful_shutdown=5)
     finally:
         engine.shutdown()
     return 0

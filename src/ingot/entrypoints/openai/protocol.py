@@ -1,7 +1,12 @@
 """OpenAI-compatible request and response bodies (plus vLLM's extra sampling fields).
 
 Unknown fields are rejected (OpenAI answers "Unrecognized request argument"), wrong types fail
-validation; both become 400 errors in the OpenAI error shape.
+validation (the server validates in strict mode: "5" is not an integer, 1 is not a boolean);
+both become 400 errors in the OpenAI error shape.
+
+Value ranges are SamplingParams' to check, except where a value would otherwise reach torch
+out of its range (seed, top_k) or make one request unboundedly large (n, logprob counts):
+those are bounded here, so no request can take the engine down.
 """
 
 from __future__ import annotations
@@ -10,9 +15,25 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from ingot.engine.sampling_params import SamplingParams
+
+# torch seeds generators with a 64-bit value (anything outside fails inside a step); int64
+# leaves room for the engine adding the choice index to the seed when n > 1.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+# top_k reaches torch as int64; every value >= the vocabulary size means "off" anyway.
+TOP_K_MAX = 2**31 - 1
+MAX_N = 128  # OpenAI's own limit on choices per request
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+
+# apply_chat_template parameters a request must not override through chat_template_kwargs
+# (they would change the return type or the prompt's framing).
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tokenize", "add_generation_prompt", "chat_template",
+    "return_dict", "return_tensors", "return_assistant_tokens_mask", "padding", "truncation",
+    "max_length", "tokenizer_kwargs", "continue_final_message",
+})
 
 
 class OpenAIModel(BaseModel):
@@ -26,20 +47,20 @@ class StreamOptions(OpenAIModel):
 
 class _SamplingFields(OpenAIModel):
     model: str | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = None
     top_p: float | None = None
     max_tokens: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM's extra sampling fields
-    top_k: int | None = None
+    top_k: int | None = Field(None, ge=-1, le=TOP_K_MAX)
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int = 0
@@ -47,15 +68,17 @@ class _SamplingFields(OpenAIModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     def _check_common(self) -> None:
         if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+            raise ValueError("logit_bias is not supported; remove it from the request")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max: int) -> SamplingParams:
+    def _sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, default_max: int
+    ) -> SamplingParams:
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -63,8 +86,8 @@ class _SamplingFields(OpenAIModel):
             top_k=0 if self.top_k is None else self.top_k,
             min_p=0.0 if self.min_p is None else self.min_p,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
@@ -94,8 +117,8 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported (only best_of == n)")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         return self._sampling_params(self.max_tokens, self.logprobs, max_model_len - prompt_len)
 
 
@@ -127,26 +150,50 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise ValueError("top_logprobs needs logprobs: true")
-            if not 0 <= self.top_logprobs <= 20:
-                raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise ValueError(
+                    f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}"
+                )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        max_tokens = (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
         return self._sampling_params(max_tokens, logprobs, max_model_len - prompt_len)
 
+    def template_kwargs(self) -> dict[str, Any]:
+        kwargs = dict(self.chat_template_kwargs or {})
+        reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ValueError(
+                f"chat_template_kwargs may not set {reserved}; use the request's own fields "
+                "(add_generation_prompt, chat_template) instead"
+            )
+        return kwargs
+
     def message_dicts(self) -> list[dict[str, Any]]:
-        messages = []
-        for m in self.messages:
-            d = m.model_dump(exclude_none=True)
-            content = d.get("content")
-            if isinstance(content, list):  # OpenAI content parts: keep the text ones
-                texts = []
-                for part in content:
-                    if part.get("type") != "text":
-                        raise ValueError(f"message content part type {part.get('type')!r} is not supported")
-                    texts.append(part.get("text", ""))
-                d["content"] = "".join(texts)
-            messages.append(d)
-        return messages
+        return message_dicts(self.messages)
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template sees them; OpenAI content parts become plain text."""
+    out = []
+    for i, m in enumerate(messages):
+        d = m.model_dump(exclude_none=True)
+        content = d.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError(
+                        f"messages[{i}].content: only text parts "
+                        f'({{"type": "text", "text": "..."}}) are supported, got {part!r}'
+                    )
+                texts.append(part["text"])
+            d["content"] = "".join(texts)
+        out.append(d)
+    return out
 
 
 class UsageInfo(BaseModel):

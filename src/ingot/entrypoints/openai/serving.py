@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,10 +47,12 @@ class _StreamState:
 
 
 def check_prompt_fits(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:
-    if prompt_len > max_model_len:
+    # Checked before the sampling parameters are built: the default max_tokens is the room the
+    # prompt leaves, which must be at least one token.
+    if prompt_len >= max_model_len:
         raise PromptTooLongError(
             f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
-            f"{prompt_len} tokens; shorten the prompt"
+            f"{prompt_len} tokens, which leaves no room for a completion; shorten the prompt"
         )
     if max_tokens is not None and prompt_len + max_tokens > max_model_len:
         raise PromptTooLongError(
@@ -57,6 +60,9 @@ def check_prompt_fits(prompt_len: int, max_tokens: int | None, max_model_len: in
             f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
             f"{max_tokens} for the completion); reduce max_tokens or the prompt"
         )
+
+
+_PUMPS: set[asyncio.Task] = set()
 
 
 async def merge(
@@ -69,13 +75,20 @@ async def merge(
     async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
         try:
             async for item in stream:
-                await q.put((i, item))
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
-            await q.put((i, exc))
+                q.put_nowait((i, item))
+        except asyncio.CancelledError:
+            raise  # the consumer is gone; the stream's cleanup aborts its request
+        except Exception as exc:  # noqa: BLE001 - re-raised in the consumer
+            q.put_nowait((i, exc))
         finally:
-            await q.put((i, done))
+            q.put_nowait((i, done))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    for t in tasks:
+        # The event loop holds tasks weakly: keep cancelled pumps alive until their abort
+        # reaches the engine.
+        _PUMPS.add(t)
+        t.add_done_callback(_PUMPS.discard)
     remaining = len(tasks)
     try:
         while remaining:
@@ -87,10 +100,13 @@ async def merge(
             else:
                 yield i, item
     finally:
+        # Cancelling a pump raises CancelledError inside its stream, whose own cleanup aborts
+        # the engine request. The streams must not be aclose()d here: a pump is still inside
+        # them, and aclose() of a running async generator raises RuntimeError. Nor is there
+        # anything to await: this may run inside a cancelled scope, where an await would be
+        # cancelled again; the pumps finish on their own.
         for t in tasks:
             t.cancel()
-        for s in streams:
-            await s.aclose()
 
 
 class OpenAIServing:
@@ -99,6 +115,7 @@ class OpenAIServing:
         self.served_model_name = served_model_name
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.model_config.max_model_len
+        self.vocab_size = engine.engine.model_config.vocab_size
 
     # ---- prompts -------------------------------------------------------------------------
     def _need_tokenizer(self) -> Any:
@@ -113,16 +130,22 @@ class OpenAIServing:
             prompt = [prompt]
         if not prompt:
             raise ValueError("prompt is empty; give at least one token")
+        vocab = self.vocab_size
         prepared = []
         for p in prompt:
+            if not p:
+                raise ValueError("prompt is empty; give at least one token")
             if isinstance(p, str):
-                if not p:
-                    raise ValueError("prompt is empty; give at least one token")
                 prepared.append(PreparedPrompt(p, self._need_tokenizer().encode(p)))
-            else:
-                if not p:
-                    raise ValueError("prompt is empty; give at least one token")
-                prepared.append(PreparedPrompt(None, list(p)))
+                continue
+            # Checked here rather than by the engine so the client gets a 400 before a
+            # stream starts.
+            bad = [t for t in p if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(
+                    f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
+                )
+            prepared.append(PreparedPrompt(None, list(p)))
         return prepared
 
     def chat_prompt(self, request: ChatCompletionRequest) -> PreparedPrompt:
@@ -134,7 +157,7 @@ class OpenAIServing:
             request.message_dicts(),
             add_generation_prompt=request.add_generation_prompt,
             chat_template=request.chat_template,
-            **(request.chat_template_kwargs or {}),
+            **request.template_kwargs(),
         )
         return PreparedPrompt(text, tokenizer.encode(text, add_special_tokens=False))
 
@@ -156,6 +179,7 @@ class OpenAIServing:
         prompts = self.completion_prompts(request.prompt)
         params_list = []
         for p in prompts:
+            check_prompt_fits(len(p.token_ids), None, self.max_model_len)
             params = request.to_sampling_params(self.max_model_len, len(p.token_ids))
             check_prompt_fits(len(p.token_ids), params.max_tokens, self.max_model_len)
             params_list.append(params)
@@ -181,8 +205,9 @@ class OpenAIServing:
         prompts, params_list = self.prepare_completion(request)
         request_id = random_id("cmpl")
         finals: dict[int, RequestOutput] = {}
-        async for i, out in merge(self._streams(prompts, params_list, request_id)):
-            finals[i] = out
+        async with aclosing(merge(self._streams(prompts, params_list, request_id))) as outs:
+            async for i, out in outs:
+                finals[i] = out
         n = params_list[0].n
         choices = []
         completion_tokens = 0
@@ -219,33 +244,34 @@ class OpenAIServing:
         state = _StreamState(prompt_tokens=sum(len(p.token_ids) for p in prompts))
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         continuous = bool(request.stream_options and request.stream_options.continuous_usage_stats)
-        async for i, out in merge(self._streams(prompts, params_list, request_id)):
-            for c in out.outputs:
-                index = i * n + c.index
-                cs = state.choices.setdefault(index, _ChoiceState())
-                delta_text = c.text[cs.text_len :]
-                new_tokens = len(c.token_ids) - cs.num_tokens
-                if cs.finished or (not delta_text and not c.finish_reason and (
-                        new_tokens == 0 or c.logprobs is None)):
-                    continue
-                chunk_choice = {
-                    "index": index,
-                    "text": delta_text,
-                    "logprobs": self._completion_logprobs(c, cs.num_tokens, cs.text_len),
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-                cs.text_len = len(c.text)
-                cs.num_tokens = len(c.token_ids)
-                state.completion_tokens += max(new_tokens, 0)
-                cs.finished = c.finish_reason is not None
-                chunk = {
-                    "id": request_id, "object": "text_completion", "created": created,
-                    "model": self.served_model_name, "choices": [chunk_choice],
-                }
-                if include_usage and continuous:
-                    chunk["usage"] = self._usage(state)
-                yield sse(chunk)
+        async with aclosing(merge(self._streams(prompts, params_list, request_id))) as merged:
+            async for i, out in merged:
+                for c in out.outputs:
+                    index = i * n + c.index
+                    cs = state.choices.setdefault(index, _ChoiceState())
+                    delta_text = c.text[cs.text_len :]
+                    new_tokens = len(c.token_ids) - cs.num_tokens
+                    if cs.finished or (not delta_text and not c.finish_reason and (
+                            new_tokens == 0 or c.logprobs is None)):
+                        continue
+                    chunk_choice = {
+                        "index": index,
+                        "text": delta_text,
+                        "logprobs": self._completion_logprobs(c, cs.num_tokens, cs.text_len),
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                    cs.text_len = len(c.text)
+                    cs.num_tokens = len(c.token_ids)
+                    state.completion_tokens += max(new_tokens, 0)
+                    cs.finished = c.finish_reason is not None
+                    chunk = {
+                        "id": request_id, "object": "text_completion", "created": created,
+                        "model": self.served_model_name, "choices": [chunk_choice],
+                    }
+                    if include_usage and continuous:
+                        chunk["usage"] = self._usage(state)
+                    yield sse(chunk)
         if include_usage:
             yield sse({
                 "id": request_id, "object": "text_completion", "created": created,
@@ -264,6 +290,7 @@ class OpenAIServing:
     # ---- chat ----------------------------------------------------------------------------
     def prepare_chat(self, request: ChatCompletionRequest) -> tuple[PreparedPrompt, SamplingParams]:
         prompt = self.chat_prompt(request)
+        check_prompt_fits(len(prompt.token_ids), None, self.max_model_len)
         params = request.to_sampling_params(self.max_model_len, len(prompt.token_ids))
         check_prompt_fits(len(prompt.token_ids), params.max_tokens, self.max_model_len)
         return prompt, params
@@ -293,8 +320,9 @@ class OpenAIServing:
         prompt, params = self.prepare_chat(request)
         request_id = random_id("chatcmpl")
         final = None
-        async for _, out in merge(self._streams([prompt], [params], request_id)):
-            final = out
+        async with aclosing(merge(self._streams([prompt], [params], request_id))) as outs:
+            async for _, out in outs:
+                final = out
         assert final is not None
         top_n = request.top_logprobs or 0
         choices = [
@@ -346,29 +374,30 @@ class OpenAIServing:
                   "finish_reason": None}],
                 usage=include_usage and continuous,
             )
-        async for _, out in merge(self._streams([prompt], [params], request_id)):
-            for c in out.outputs:
-                cs = state.choices.setdefault(c.index, _ChoiceState())
-                if cs.finished:
-                    continue
-                delta_text = c.text[cs.text_len :]
-                new_tokens = len(c.token_ids) - cs.num_tokens
-                # Text held back (a split character, a possible stop string) waits for a later
-                # chunk unless logprobs are streamed token by token.
-                if not delta_text and not c.finish_reason and (new_tokens == 0 or c.logprobs is None):
-                    continue
-                choice = {
-                    "index": c.index,
-                    "delta": {"content": delta_text} if delta_text else {},
-                    "logprobs": self._chat_logprobs(c, cs.num_tokens, top_n),
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-                cs.text_len = len(c.text)
-                cs.num_tokens = len(c.token_ids)
-                state.completion_tokens += max(new_tokens, 0)
-                cs.finished = c.finish_reason is not None
-                yield chunk([choice], usage=include_usage and continuous)
+        async with aclosing(merge(self._streams([prompt], [params], request_id))) as merged:
+            async for _, out in merged:
+                for c in out.outputs:
+                    cs = state.choices.setdefault(c.index, _ChoiceState())
+                    if cs.finished:
+                        continue
+                    delta_text = c.text[cs.text_len :]
+                    new_tokens = len(c.token_ids) - cs.num_tokens
+                    # Text held back (a split character, a possible stop string) waits for a later
+                    # chunk unless logprobs are streamed token by token.
+                    if not delta_text and not c.finish_reason and (new_tokens == 0 or c.logprobs is None):
+                        continue
+                    choice = {
+                        "index": c.index,
+                        "delta": {"content": delta_text} if delta_text else {},
+                        "logprobs": self._chat_logprobs(c, cs.num_tokens, top_n),
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                    cs.text_len = len(c.text)
+                    cs.num_tokens = len(c.token_ids)
+                    state.completion_tokens += max(new_tokens, 0)
+                    cs.finished = c.finish_reason is not None
+                    yield chunk([choice], usage=include_usage and continuous)
         if include_usage:
             yield chunk([], usage=True)
         yield "data: [DONE]\n\n"

@@ -65,14 +65,18 @@ class AttentionMetadata:
 def write_kv_cache(
     kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """kv_cache: [2, num_blocks, block_size, Hkv, D]; key/value: [T, Hkv, D]."""
+    """kv_cache: [2, num_blocks, block_size, Hkv, D]; key/value: [T, Hkv, D].
+
+    Padded rows (slot -1) leave the cache untouched. Written without data-dependent shapes (so
+    one compiled graph serves every batch of a bucket): a padded row is pointed at slot 0 (the
+    null block, never a real token's) and writes back the value already there.
+    """
     num_kv_heads, head_dim = kv_cache.shape[-2:]
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key[valid].to(kv_cache.dtype))
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(
-        0, slots, value[valid].to(kv_cache.dtype)
-    )
+    valid = (slot_mapping >= 0).view(-1, 1, 1)
+    slots = slot_mapping.clamp(min=0)
+    for cache, new in ((kv_cache[0], key), (kv_cache[1], value)):
+        flat = cache.view(-1, num_kv_heads, head_dim)
+        flat.index_copy_(0, slots, torch.where(valid, new.to(flat.dtype), flat[slots]))
 
 
 def paged_attention(

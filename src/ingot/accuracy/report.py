@@ -1,0 +1,189 @@
+"""The validate report: ``validation.json`` (everything), ``summary.md`` (for people) and
+``logit_errors.png`` (per-position errors of every prompt), plus the short console table."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ingot.accuracy.jsonio import write_json
+from ingot.accuracy.metrics import BC_GOOD
+
+if TYPE_CHECKING:
+    from ingot.accuracy.validate import ValidateReport
+
+
+def _f(x: float | None, digits: int = 3) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and (math.isinf(x) or math.isnan(x)):
+        return str(x)
+    return f"{x:.{digits}g}"
+
+
+def _yes(flag: bool | None) -> str:
+    return "-" if flag is None else ("yes" if flag else "no")
+
+
+def verdict_table(report: ValidateReport) -> str:
+    """The short console summary: one line per prompt, the criteria and the verdict."""
+    v = report.validation
+    lines = [
+        f"ingot validate: {Path(report.model).name} ({report.dtype}), {len(report.prompts)} "
+        f"prompts x {report.max_tokens} tokens, {v.mode}"
+        + (f", hf_overrides {report.hf_overrides}" if report.hf_overrides else ""),
+        "",
+        f"{'prompt':>6} {'tokens':>6} {'diverged@':>9} {'calls':>5} {'tgt l2':>9} "
+        f"{'base l2':>9} {'l2 ratio':>9} {'BC min':>7} {'two-way':>7}",
+    ]
+    for i, p in enumerate(v.prompts):
+        tgt = max((t.target.l2_rel for t in p.tokens), default=None)
+        base = max((t.base.l2_rel for t in p.tokens if t.base), default=None)
+        ratio = max((t.l2_ratio for t in p.tokens if t.l2_ratio is not None), default=None)
+        bc = min((t.bc for t in p.tokens if t.bc is not None), default=None)
+        div = p.divergence_index
+        lines.append(
+            f"{i:>6} {len(p.tokens):>6} {'-' if div is None else div:>9} {p.calls:>5} "
+            f"{_f(tgt):>9} {_f(base):>9} {_f(ratio):>9} {_f(bc):>7} {_yes(p.passed_two_way):>7}"
+        )
+    lines.append("")
+    crit = v.criteria
+    worst = v.diagnostics.get("worst_topk", {})
+    lines.append(
+        "two-way static thresholds: "
+        + _yes(crit.get("two_way"))
+        + " (worst "
+        + ", ".join(f"K{k}={_f(e)}" for k, e in worst.items())
+        + ")"
+    )
+    if v.mode == "three-way":
+        lines.append(f"sigma-ratio {_f(v.sigma_ratio)} (<= 1.0: {_yes(crit.get('sigma'))})")
+        lines.append(f"BC min over indices {_f(v.bc_min, 4)} (>= {BC_GOOD}: {_yes(crit.get('bc'))})")
+    lines.append(f"triage: {v.triage}")
+    if report.compare is not None:
+        first = report.compare.first_failure
+        if first is None:
+            lines.append("tensor compare: every module within the L2-ratio threshold")
+        else:
+            detail = ", ".join(
+                f"{ph} l2 ratio {_f(c.l2_ratio)}" if c.l2_ratio is not None else f"{ph} l2 "
+                f"{_f(c.target.l2_rel) if c.target else 'shape mismatch'}"
+                for ph, c in first.phases.items()
+                if not c.passed
+            )
+            lines.append(f"first diverging module: {first.name} ({detail})")
+    lines.append(f"VERDICT: {'PASS' if report.passed else 'FAIL'}")
+    if report.report_dir is not None:
+        lines.append(f"report: {report.report_dir}")
+    return "\n".join(lines)
+
+
+def write_report(report: ValidateReport, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "validation.json", report.to_dict())
+    plot = out / "logit_errors.png"
+    plot_errors(report, plot)
+    (out / "summary.md").write_text(_markdown(report, plot.name))
+
+
+def plot_errors(report: ValidateReport, path: Path) -> None:
+    """Per-position relative L2 error of ingot (solid) and of HF-in-dtype (dashed) against
+    fp32, one colour per prompt; failing tokens marked with a cross."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display; must come before pyplot is imported
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    for i, p in enumerate(report.validation.prompts):
+        idx = [t.index for t in p.tokens]
+        tgt = [max(t.target.l2_rel, 1e-12) if math.isfinite(t.target.l2_rel) else 1.0 for t in p.tokens]
+        (line,) = ax.plot(idx, tgt, marker="o", markersize=3, label=f"prompt {i} ingot")
+        base = [max(t.base.l2_rel, 1e-12) for t in p.tokens if t.base is not None]
+        if len(base) == len(idx):
+            ax.plot(idx, base, linestyle="--", color=line.get_color(), alpha=0.6)
+        bad = [(t.index, y) for t, y in zip(p.tokens, tgt, strict=True) if not t.passed]
+        if bad:
+            ax.scatter(*zip(*bad, strict=True), marker="x", color="red", zorder=3)
+    ax.set_yscale("log")
+    ax.set_xlabel("generation index")
+    ax.set_ylabel("relative L2 error of logits vs fp32")
+    status = "PASS" if report.passed else "FAIL"
+    ax.set_title(f"{Path(report.model).name} {report.dtype}: {status} (dashed: HF {report.dtype})")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _markdown(report: ValidateReport, plot_name: str) -> str:
+    v = report.validation
+    lines = [
+        f"# ingot validate: {'PASS' if report.passed else 'FAIL'}",
+        "",
+        f"- model: `{report.model}`",
+        f"- dtype: {report.dtype}; mode: {v.mode}",
+        f"- hf_overrides (ingot only, never the reference): `{report.hf_overrides or {}}`",
+        f"- {len(report.prompts)} prompts x {report.max_tokens} tokens",
+        "",
+        "## Verdict",
+        "",
+        "```",
+        verdict_table(report),
+        "```",
+        "",
+        "Pass rule: all tokens pass the static two-way thresholds (K5 < 0.011, K50 < 0.02, "
+        "K1000 < 0.03, all < 0.05, divergences only within 1 ULP), OR sigma-ratio <= 1.0, OR "
+        "BC >= 0.99 at every generation index. NaN always fails.",
+        "",
+        f"![per-position logit errors]({plot_name})",
+        "",
+        "## Per token",
+        "",
+        "| prompt | index | phase | ref | ingot | status | tgt l2 | base l2 | l2 ratio | BC | K5 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for i, p in enumerate(v.prompts):
+        for t in p.tokens:
+            k5 = t.topk.get("5", {}).get("error")
+            lines.append(
+                f"| {i} | {t.index} | {t.phase} | {t.reference_token} | {t.target_token} | "
+                f"{t.status.value} | {_f(t.target.l2_rel)} | "
+                f"{_f(t.base.l2_rel) if t.base else '-'} | {_f(t.l2_ratio)} | {_f(t.bc, 4)} | "
+                f"{_f(k5)} |"
+            )
+    if report.kv is not None:
+        lines += [
+            "",
+            "## KV cache (prompt 0; informative, no pass/fail)",
+            "",
+            "| layer | positions | K cos | V cos | K max abs | V max abs | K l2 | V l2 | K BC | V BC |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for layer in report.kv:
+            lines.append(
+                f"| {layer.layer} | {layer.positions} | {layer.k_cos:.6f} | {layer.v_cos:.6f} | "
+                f"{_f(layer.k_max_abs)} | {_f(layer.v_max_abs)} | {_f(layer.k_l2_rel)} | "
+                f"{_f(layer.v_l2_rel)} | {_f(layer.k_bc, 4)} | {_f(layer.v_bc, 4)} |"
+            )
+    if report.compare is not None:
+        c = report.compare
+        first = c.first_failure
+        lines += [
+            "",
+            f"## Tensor compare (prompt {report.compare_prompt}, {c.mode})",
+            "",
+            f"First diverging module: **{first.name if first else 'none'}**. "
+            f"{c.compared_positions} positions compared"
+            + (
+                f" (ingot left the reference sequence at position {c.first_mismatch_position})"
+                if c.first_mismatch_position is not None
+                else ""
+            )
+            + ". Full table: `tensor_compare/table.md`, data: `tensor_compare/comparison.json`.",
+            "",
+            c.table(max_rows=40),
+        ]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,127 @@
+"""Helpers for tests that drive a real `ingot serve` subprocess over loopback HTTP."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+TINY_FLAGS = ["--dtype", "float32", "--max-model-len", "256"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, port: int, log_path: Path) -> None:
+        self.proc = proc
+        self.port = port
+        self.log_path = log_path
+        self.base = f"http://127.0.0.1:{port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        headers: dict[str, str] | None = None,
+        timeout: float = 60,
+    ) -> tuple[int, dict[str, str], bytes]:
+        """One raw HTTP request on a fresh connection. ``body``: bytes are sent as they are,
+        anything else as JSON."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            hdrs = {"Content-Type": "application/json", **(headers or {})}
+            data = body if isinstance(body, bytes | None) else json.dumps(body).encode()
+            conn.request(method, path, body=data, headers=hdrs)
+            resp = conn.getresponse()
+            return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+        finally:
+            conn.close()
+
+    def json(self, method: str, path: str, body: Any = None, **kw: Any) -> tuple[int, Any]:
+        status, _, raw = self.request(method, path, body, **kw)
+        return status, json.loads(raw) if raw else None
+
+    def metrics_text(self) -> str:
+        status, _, raw = self.request("GET", "/metrics")
+        assert status == 200
+        return raw.decode()
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """Every sample as {(name, sorted labels without model_name): value}."""
+        out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        for family in text_string_to_metric_families(self.metrics_text()):
+            for sample in family.samples:
+                labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))
+                out[(sample.name, labels)] = sample.value
+        return out
+
+
+def metric(samples: dict, name: str, **labels: str) -> float:
+    """One sample's value (KeyError if absent: a missing child is a failure, not a zero)."""
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+@contextmanager
+def run_server(
+    args: list[str], log_dir: Path, startup_timeout: float = 60
+) -> Iterator[Server]:
+    """`ingot serve ARGS` on a free loopback port, ready (polled on /health) when yielded;
+    stopped with SIGINT (as Ctrl-C would) afterwards."""
+    port = free_port()
+    log_path = log_dir / f"server-{port}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ingot.entrypoints.cli", "--log-level", "warning", "serve",
+             *args, "--host", "127.0.0.1", "--port", str(port)],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
+    server = Server(proc, port, log_path)
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"ingot serve exited with {proc.returncode}:\n{server.log()}")
+            try:
+                if server.request("GET", "/health", timeout=2)[0] == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"ingot serve not ready in {startup_timeout}s:\n{server.log()}")
+            time.sleep(0.2)
+        yield server
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+def wait_until(predicate: Any, timeout: float = 15, interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
