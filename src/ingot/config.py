@@ -52,7 +52,10 @@ KNOWN_ADDITIONAL_CONFIG = {
     "num_seqs_buckets",
     "decode_context_length_buckets",
     "profiler",
+    "calibrate_kv_scales",
 }
+# "auto" stores KV in the model dtype; fp8 / fp8_e4m3 store float8_e4m3fn with per-layer scales.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass
@@ -86,7 +89,10 @@ class CacheConfig:
     kv_cache_dtype: str
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
-    num_blocks: int | None = None  # decided by the worker from the memory budget
+    num_blocks: int | None = None
+
+    def torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return torch.float8_e4m3fn if self.kv_cache_dtype.startswith("fp8") else model_dtype  # decided by the worker from the memory budget
 
 
 @dataclass
@@ -251,8 +257,11 @@ class EngineArgs:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
-        if self.kv_cache_dtype not in ("auto",):
-            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; use auto")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; accepted: "
+                f"{', '.join(KV_CACHE_DTYPES)}"
+            )
 
         additional_config = self._json_arg("additional_config", self.additional_config)
         unknown = set(additional_config) - KNOWN_ADDITIONAL_CONFIG

@@ -288,3 +288,20 @@ def test_tokenize_detokenize_round_trip(server):
     status, plain = server.json("POST", "/tokenize",
                                 {"prompt": "héllo", "add_special_tokens": False})
     assert plain["count"] == len("héllo".encode())  # byte-level: one token per byte
+
+
+def test_prompt_logprobs_in_whole_responses(client, model, llm):
+    prompt = [70, 71, 72, 73, 74]
+    resp = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0,
+                                     extra_body={"prompt_logprobs": 2})
+    got = resp.choices[0].model_extra["prompt_logprobs"]
+    (ref,) = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2))
+    assert got[0] is None and len(got) == len(prompt) == len(ref.prompt_logprobs)
+    for pos, (entry, ref_entry) in enumerate(zip(got[1:], ref.prompt_logprobs[1:], strict=True),
+                                             start=1):
+        actual = entry[str(prompt[pos])]  # the prompt's own token is always included
+        assert actual["logprob"] == pytest.approx(ref_entry[prompt[pos]].logprob, abs=1e-4)
+        assert actual["rank"] >= 1 and 2 <= len(entry) <= 3
+    chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2,
+                                          extra_body={"prompt_logprobs": 0})
+    assert len(chat.model_extra["prompt_logprobs"]) == chat.usage.prompt_tokens

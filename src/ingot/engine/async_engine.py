@@ -68,7 +68,8 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return self.dead_error is None and not self._stopped and self._thread.is_alive()
 
-    def _dead(self) -> EngineDeadError:
+    def dead(self) -> EngineDeadError:
+        """The error to raise for work sent to a failed or stopped engine."""
         if self.dead_error is not None:
             return EngineDeadError(f"the engine failed: {self.dead_error!r}; restart the server")
         return EngineDeadError("the engine is shut down")
@@ -128,14 +129,14 @@ class AsyncLLM:
             self._stopped = True
             ids = list(self._streams)
         for rid in ids:
-            self._deliver(rid, self._dead())
+            self._deliver(rid, self.dead())
         while True:
             try:
                 _, future = self._commands.get_nowait()
             except queue.Empty:
                 return
             if future.set_running_or_notify_cancel():
-                future.set_exception(self._dead())
+                future.set_exception(self.dead())
 
     # ---- asyncio side --------------------------------------------------------------------
     async def call(self, fn: Callable[[], Any]) -> Any:
@@ -145,7 +146,7 @@ class AsyncLLM:
             # Checked under the lock: once _fail_everything has drained the queue, nothing
             # new may enter it, or its future would never complete.
             if self._stopped or self.dead_error is not None:
-                raise self._dead()
+                raise self.dead()
             self._commands.put((fn, future))
         self._wakeup.set()
         return await asyncio.wrap_future(future)
@@ -158,7 +159,7 @@ class AsyncLLM:
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if self._stopped or self.dead_error is not None:
-                raise self._dead()
+                raise self.dead()
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = (asyncio.get_running_loop(), q)

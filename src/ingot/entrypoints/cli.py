@@ -157,6 +157,29 @@ def cmd_convert(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _check_listen(host: str, port: int) -> None:
+    """Fail before the model loads (seconds) if the address cannot be served."""
+    import socket
+
+    if not 0 < port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {port}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ValueError(f"--host {host!r} does not resolve ({exc}); use e.g. 127.0.0.1") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        # Same option uvicorn sets, so a port in TIME_WAIT from a previous run is not refused.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as exc:
+            raise ValueError(
+                f"cannot listen on {host}:{port} ({exc.strerror}); pick another --port or stop "
+                "the process using it"
+            ) from None
+
+
 def cmd_serve(ns: argparse.Namespace) -> int:
     import os
 
@@ -167,16 +190,19 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             raise ValueError("give the model either as the positional MODEL or as --model, not both")
         ns.model = ns.model_tag
     if ns.max_request_body_bytes <= 0:
-        raise ValueError("--max-request-body-bytes must be positive")
+        raise ValueError(
+            f"--max-request-body-bytes must be positive, got {ns.max_request_body_bytes}"
+        )
+    api_key = ns.api_key if ns.api_key is not None else os.environ.get("INGOT_API_KEY")
+    if api_key is not None and not api_key.strip():
+        raise ValueError("--api-key (or INGOT_API_KEY) is empty; give a key or leave it unset")
+    _check_listen(ns.host, ns.port)
     args = engine_args_from(ns)
     return serve(
         args,
         ns.host,
         ns.port,
-        {
-            "api_key": ns.api_key or os.environ.get("INGOT_API_KEY"),
-            "max_body_bytes": ns.max_request_body_bytes,
-        },
+        {"api_key": api_key, "max_body_bytes": ns.max_request_body_bytes},
     )
 
 
@@ -189,12 +215,14 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     srv.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                      help="model path (same as --model)")
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--host", default="127.0.0.1",
+                     help="address to listen on (default: %(default)s; 0.0.0.0 for all)")
+    srv.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
     srv.add_argument("--api-key", default=None,
                      help="require this key as 'Authorization: Bearer KEY' on /v1 routes "
-                     "(also INGOT_API_KEY)")
-    srv.add_argument("--max-request-body-bytes", type=int, default=8 * 2**20)
+                     "(default: $INGOT_API_KEY if set, else no key)")
+    srv.add_argument("--max-request-body-bytes", type=int, default=8 * 2**20,
+                     help="larger request bodies get 413 (default: %(default)s)")
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 

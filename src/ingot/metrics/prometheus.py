@@ -18,6 +18,7 @@ from ingot.engine.outputs import RequestOutput
 from ingot.metrics.stats import BucketCounter, BucketStats
 
 PREFIX = "ingot:"
+FINISH_REASONS = ("stop", "length", "abort")
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
     20.0, 40.0, 80.0, 160.0,
@@ -94,6 +95,16 @@ class EngineMetrics:
         self.compilation = Gauge(
             f"{PREFIX}compilation_time_seconds", "Graph compilation time", m, registry=r
         )
+        # Every child at zero from the start: a scraper sees the series (and rate() works)
+        # before the first request, and a test can tell "zero" from "never exported".
+        for metric in (
+            self.running, self.waiting, self.kv_usage, self.kv_blocks_free, self.prompt_tokens,
+            self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue_time, self.startup,
+            self.model_load, self.model_bytes, self.compilation,
+        ):
+            self.labels(metric)
+        for reason in FINISH_REASONS:
+            self.request_success.labels(model_name=model_name, finished_reason=reason)
         self._seen: dict[str, _Seen] = {}
         self._last_buckets: dict[tuple[str, int], BucketCounter] = {}
         self._last_ctx: dict[int, int] = {}

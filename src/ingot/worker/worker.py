@@ -71,6 +71,51 @@ def plan_num_blocks(
     return num_blocks
 
 
+KV_CALIBRATION_TOKENS = 256
+# Calibrated scales leave this much headroom above the largest value seen, so that inputs
+# slightly larger than the calibration's are represented rather than clamped.
+KV_SCALE_MARGIN = 2.0
+
+
+@torch.inference_mode()
+def calibrate_kv_scales(model: torch.nn.Module, config: EngineConfig, device: torch.device) -> None:
+    """One prefill of fixed pseudo-random tokens through a throwaway model-dtype cache,
+    recording each layer's largest |K| and |V|: scale = margin * amax / 448."""
+    from ingot.model_executor.layers.attention import FP8_E4M3_MAX, AttentionMetadata
+
+    hf = config.model_config.hf_config
+    n = min(KV_CALIBRATION_TOKENS, config.model_config.max_model_len)
+    bs = config.cache_config.block_size
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, config.model_config.vocab_size, (n,), generator=gen).to(device)
+    positions = torch.arange(n, device=device)
+    num_blocks = cdiv(n, bs)
+    num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+    shape = (2, num_blocks + 1, bs, num_kv_heads, head_dim_of(hf))
+    caches = [torch.zeros(shape, dtype=config.model_config.dtype, device=device)
+              for _ in range(hf.num_hidden_layers)]
+    table = torch.arange(1, num_blocks + 1, device=device).view(1, -1)
+    meta = AttentionMetadata.build(positions, [n], positions + bs, table)
+    attns = [layer.self_attn for layer in model.model.layers]
+    for attn in attns:
+        attn.kv_scales.calibrating = True
+    try:
+        model(tokens, positions, caches, meta)
+    finally:
+        for attn in attns:
+            attn.kv_scales.calibrating = False
+    for attn in attns:
+        s = attn.kv_scales
+        s.k_scale = max(s.k_amax, 1e-6) * KV_SCALE_MARGIN / FP8_E4M3_MAX
+        s.v_scale = max(s.v_amax, 1e-6) * KV_SCALE_MARGIN / FP8_E4M3_MAX
+    logger.info(
+        "FP8 KV cache: calibrated per-layer scales on %d tokens (k %.3g-%.3g, v %.3g-%.3g)",
+        n,
+        min(a.kv_scales.k_scale for a in attns), max(a.kv_scales.k_scale for a in attns),
+        min(a.kv_scales.v_scale for a in attns), max(a.kv_scales.v_scale for a in attns),
+    )
+
+
 def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero-filled cache: masked-out reads must never meet NaN garbage (0 * NaN = NaN).
 
@@ -104,7 +149,7 @@ class Worker:
             device_type=self.device.type,
         )
 
-        dtype = config.model_config.dtype
+        dtype = config.cache_config.torch_dtype(config.model_config.dtype)
         # Memory still free now, plus what the weights took: the total before loading.
         total = self.platform.available_memory_bytes(self.device) + self.load_bytes
         num_blocks = plan_num_blocks(config, total, self.load_bytes, dtype)
@@ -119,7 +164,19 @@ class Worker:
             config.cache_config.block_size,
             num_blocks * kv_bytes_per_block(config, dtype) / 2**20,
         )
+        if dtype == torch.float8_e4m3fn:
+            self._set_fp8_scales()
         self.model_runner = ModelRunner(config, self.model, self.kv_caches, self.device)
+
+    def _set_fp8_scales(self) -> None:
+        """Per-layer FP8 scales: from the checkpoint, else calibrated once now, else 1.0."""
+        if getattr(self.model, "kv_scales_from_checkpoint", False):
+            logger.info("FP8 KV cache: per-layer scales from the checkpoint")
+            return
+        if not self.config.additional_config.get("calibrate_kv_scales", True):
+            logger.warning("FP8 KV cache without checkpoint scales or calibration: scales are 1.0")
+            return
+        calibrate_kv_scales(self.model, self.config, self.device)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         output = self.model_runner.execute_model(scheduler_output)

@@ -289,6 +289,11 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: EngineMetrics
         logger.exception("unhandled error in a request", exc_info=exc)
         return error_response(500, f"internal server error: {exc!r}", "server_error")
 
+    def check_running() -> None:
+        if not engine.is_running:
+            # Before a stream starts: a dead engine is a 503, not a 200 with an error event.
+            raise engine.dead()
+
     def check_model(name: str | None) -> None:
         if name is not None and name != settings.served_model_name:
             raise HTTPError(
@@ -314,6 +319,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: EngineMetrics
     async def completions(request: Request) -> Response:
         body = await parse_body(request, CompletionRequest, settings.max_body_bytes)
         check_model(body.model)
+        check_running()
         if body.stream:
             # Prepared before the response starts, so a bad request still gets its status.
             prompts, params = serving.prepare_completion(body)
@@ -324,6 +330,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: EngineMetrics
     async def chat_completions(request: Request) -> Response:
         body = await parse_body(request, ChatCompletionRequest, settings.max_body_bytes)
         check_model(body.model)
+        check_running()
         if body.stream:
             prompt, params = serving.prepare_chat(body)
             return stream_response(serving.chat_stream(body, prompt, params))

@@ -75,6 +75,11 @@ class _SamplingFields(OpenAIModel):
             raise ValueError("logit_bias is not supported; remove it from the request")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError(
+                "prompt_logprobs is only returned in whole responses; drop it or set stream "
+                "to false"
+            )
 
     def _sampling_params(
         self, max_tokens: int | None, logprobs: int | None, default_max: int

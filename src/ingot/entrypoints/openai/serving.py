@@ -201,6 +201,21 @@ class OpenAIServing:
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
+    @staticmethod
+    def _prompt_logprobs(out: RequestOutput) -> list[dict[str, Any] | None] | None:
+        """vLLM's shape: one entry per prompt position (None for the first), token id ->
+        {logprob, rank, decoded_token}."""
+        if out.prompt_logprobs is None:
+            return None
+        return [
+            None if entry is None else {
+                str(tid): {"logprob": lp.logprob, "rank": lp.rank,
+                           "decoded_token": lp.decoded_token}
+                for tid, lp in entry.items()
+            }
+            for entry in out.prompt_logprobs
+        ]
+
     async def completion(self, request: CompletionRequest) -> dict[str, Any]:
         prompts, params_list = self.prepare_completion(request)
         request_id = random_id("cmpl")
@@ -220,6 +235,7 @@ class OpenAIServing:
                     "logprobs": self._completion_logprobs(c, 0, 0),
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
+                    "prompt_logprobs": self._prompt_logprobs(finals[i]),
                 })
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
         return {
@@ -342,6 +358,7 @@ class OpenAIServing:
             "created": now(),
             "model": self.served_model_name,
             "choices": choices,
+            "prompt_logprobs": self._prompt_logprobs(final),
             "usage": UsageInfo(
                 prompt_tokens=len(prompt.token_ids),
                 completion_tokens=completion_tokens,

@@ -62,8 +62,44 @@ class AttentionMetadata:
         )
 
 
+FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
+
+
+class KVScales:
+    """Per-layer scales of a quantised (FP8) KV cache: stored = clamp(x / scale), read back as
+    stored * scale. ``amax`` is filled while calibrating."""
+
+    def __init__(self) -> None:
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+        self.calibrating = False
+        self.k_amax = 0.0
+        self.v_amax = 0.0
+
+    def observe(self, key: torch.Tensor, value: torch.Tensor, num_real: int) -> None:
+        self.k_amax = max(self.k_amax, key[:num_real].abs().max().item())
+        self.v_amax = max(self.v_amax, value[:num_real].abs().max().item())
+
+
+def quantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.float8_e4m3fn:
+        # Clamp first: a value beyond the format's range would otherwise become NaN.
+        return (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(dtype)
+    return x.to(dtype)
+
+
+def dequantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    if x.dtype == torch.float8_e4m3fn:
+        return (x.to(torch.float32) * scale).to(dtype)
+    return x.to(dtype)
+
+
 def write_kv_cache(
-    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+    kv_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    scales: KVScales | None = None,
 ) -> None:
     """kv_cache: [2, num_blocks, block_size, Hkv, D]; key/value: [T, Hkv, D].
 
@@ -74,9 +110,16 @@ def write_kv_cache(
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     valid = (slot_mapping >= 0).view(-1, 1, 1)
     slots = slot_mapping.clamp(min=0)
-    for cache, new in ((kv_cache[0], key), (kv_cache[1], value)):
+    k_scale, v_scale = (scales.k_scale, scales.v_scale) if scales is not None else (1.0, 1.0)
+    for cache, new, scale in ((kv_cache[0], key, k_scale), (kv_cache[1], value, v_scale)):
         flat = cache.view(-1, num_kv_heads, head_dim)
-        flat.index_copy_(0, slots, torch.where(valid, new.to(flat.dtype), flat[slots]))
+        stored = quantize_kv(new, scale, flat.dtype)
+        if flat.dtype == torch.float8_e4m3fn:
+            # where() has no fp8 kernel on CPU: select on the raw bytes instead.
+            merged = torch.where(valid, stored.view(torch.uint8), flat[slots].view(torch.uint8))
+            flat.view(torch.uint8).index_copy_(0, slots, merged)
+        else:
+            flat.index_copy_(0, slots, torch.where(valid, stored, flat[slots]))
 
 
 def paged_attention(
@@ -87,11 +130,14 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    kv_scales: KVScales | None = None,
 ) -> torch.Tensor:
     """query [T, H, D], key/value [T, Hkv, D] -> output [T, H * D] (rows past the actual tokens
     are zero)."""
     num_tokens, num_heads, head_dim = query.shape
-    write_kv_cache(kv_cache, key, value, meta.slot_mapping)
+    if kv_scales is not None and kv_scales.calibrating:
+        kv_scales.observe(key, value, meta.num_actual_tokens)
+    write_kv_cache(kv_cache, key, value, meta.slot_mapping, kv_scales)
 
     num_reqs, max_q = meta.num_reqs, meta.max_query_len
     n = meta.num_actual_tokens
@@ -103,8 +149,9 @@ def paged_attention(
     ctx_len = meta.block_table.shape[1] * block_size
     k = kv_cache[0][meta.block_table].view(num_reqs, ctx_len, num_kv_heads, head_dim)
     v = kv_cache[1][meta.block_table].view(num_reqs, ctx_len, num_kv_heads, head_dim)
-    k = k.transpose(1, 2).to(query.dtype)
-    v = v.transpose(1, 2).to(query.dtype)
+    k_scale, v_scale = (kv_scales.k_scale, kv_scales.v_scale) if kv_scales else (1.0, 1.0)
+    k = dequantize_kv(k, k_scale, query.dtype).transpose(1, 2)
+    v = dequantize_kv(v, v_scale, query.dtype).transpose(1, 2)
 
     key_pos = torch.arange(ctx_len, device=query.device)
     qpos = meta.grid_positions.unsqueeze(-1)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ingot.model_executor.layers.attention import AttentionMetadata, paged_attention
+from ingot.model_executor.layers.attention import AttentionMetadata, KVScales, paged_attention
 from ingot.model_executor.layers.layernorm import RMSNorm
 from ingot.model_executor.layers.linear import (
     MergedLinear,
@@ -48,6 +48,7 @@ class DecoderAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.sliding_window: int | None = None
+        self.kv_scales = KVScales()
 
     def forward(
         self,
@@ -65,7 +66,9 @@ class DecoderAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+        out = paged_attention(
+            q, k, v, kv_cache, meta, self.scale, self.sliding_window, self.kv_scales
+        )
         return self.o_proj(out)
 
 
@@ -197,6 +200,9 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
+            if name.endswith((".k_scale", ".v_scale")):
+                self._load_kv_scale(name, tensor)
+                continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the head
             for ckpt_part, fused_part, shard_id in self.stacked_params:
@@ -218,6 +224,16 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]}")
         return loaded
+
+
+    def _load_kv_scale(self, name: str, tensor: torch.Tensor) -> None:
+        """FP8 KV scales stored in the checkpoint (vLLM's `...self_attn.k_scale` names)."""
+        layer_idx = int(name.split("layers.")[1].split(".")[0])
+        scales = self.model.layers[layer_idx].self_attn.kv_scales
+        setattr(scales, name.rsplit(".", 1)[1], float(tensor.float().max()))
+        self.kv_scales_from_checkpoint = True
+
+    kv_scales_from_checkpoint = False
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -1,0 +1,193 @@
+"""Every bad input gets OpenAI's error JSON with the right status, and the server keeps serving.
+
+The server runs with an API key and a 64 KiB body limit."""
+
+from __future__ import annotations
+
+import http.client
+import itertools
+import json
+
+import openai
+import pytest
+from server_utils import TINY_FLAGS, run_server
+
+KEY = "sekrit-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+LIMIT = 64 * 1024
+CHAT = "/v1/chat/completions"
+CMPL = "/v1/completions"
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir, tmp_path_factory):
+    args = [str(tiny_llama_dir), *TINY_FLAGS, "--api-key", KEY,
+            "--max-request-body-bytes", str(LIMIT), "--served-model-name", "tiny"]
+    with run_server(args, tmp_path_factory.mktemp("logs")) as s:
+        yield s
+
+
+def assert_error(status: int, body: bytes, expected_status: int, *fragments: str) -> dict:
+    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+    assert status == expected_status, body
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == expected_status and isinstance(err["type"], str) and err["message"]
+    for fragment in fragments:
+        assert fragment in err["message"], err["message"]
+    return err
+
+
+# (path, body, status, fragments of the message, param): one bad request each.
+BAD_REQUESTS = [
+    (CMPL, b"{not json", 400, ["not valid JSON"], None),
+    (CMPL, b"", 400, ["empty"], None),
+    (CMPL, b"[1, 2]", 400, ["JSON object"], None),
+    (CMPL, b'{"prompt": "hi", "temperature": NaN}', 400, ["NaN"], None),
+    (CMPL, {"prompt": "hi", "bogus_field": 1}, 400, ["Unrecognized", "bogus_field"], "bogus_field"),
+    (CMPL, {"max_tokens": 4}, 400, ["prompt is required"], "prompt"),
+    (CMPL, {"prompt": "hi", "max_tokens": "5"}, 400, ["max_tokens", "integer"], "max_tokens"),
+    (CMPL, {"prompt": "hi", "stream": 1}, 400, ["stream", "boolean"], "stream"),
+    (CMPL, {"prompt": "hi", "temperature": "hot"}, 400, ["temperature"], "temperature"),
+    (CMPL, {"prompt": 5}, 400, ["prompt", "wrong type", "expected one of"], "prompt"),
+    (CMPL, {"prompt": [1, "a"]}, 400, ["prompt", "wrong type"], "prompt"),
+    (CMPL, {"prompt": "hi", "stop": 3}, 400, ["stop"], "stop"),
+    (CMPL, {"prompt": "hi", "temperature": -1}, 400, ["temperature must be >= 0"], "temperature"),
+    (CMPL, {"prompt": "hi", "top_p": 0}, 400, ["top_p must be in (0, 1]"], "top_p"),
+    (CMPL, {"prompt": "hi", "top_k": -5}, 400, ["top_k"], "top_k"),
+    (CMPL, {"prompt": "hi", "min_p": 2.0}, 400, ["min_p must be in [0, 1]"], "min_p"),
+    (CMPL, {"prompt": "hi", "presence_penalty": 3}, 400, ["presence_penalty"], "presence_penalty"),
+    (CMPL, {"prompt": "hi", "repetition_penalty": 0}, 400, ["repetition_penalty"],
+     "repetition_penalty"),
+    (CMPL, {"prompt": "hi", "max_tokens": 0}, 400, ["max_tokens must be"], "max_tokens"),
+    (CMPL, {"prompt": "hi", "n": 0}, 400, ["n"], "n"),
+    (CMPL, {"prompt": "hi", "n": 100000}, 400, ["n", "128"], "n"),
+    (CMPL, {"prompt": "hi", "seed": 2**70}, 400, ["seed"], "seed"),
+    (CMPL, {"prompt": "hi", "top_k": 2**70}, 400, ["top_k"], "top_k"),
+    (CMPL, {"prompt": "hi", "logprobs": 50}, 400, ["logprobs must be in [0, 20]"], "logprobs"),
+    (CMPL, {"prompt": "hi", "min_tokens": 9, "max_tokens": 3}, 400, ["min_tokens"],
+     "min_tokens"),
+    (CMPL, {"prompt": "hi", "stream_options": {"include_usage": True}}, 400,
+     ["stream_options", "stream is true"], None),
+    (CMPL, {"prompt": "hi", "logit_bias": {"5": 1.0}}, 400, ["logit_bias"], None),
+    (CMPL, {"prompt": "hi", "echo": True}, 400, ["echo"], None),
+    (CMPL, {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, 400, ["prompt_logprobs"], None),
+    (CMPL, {"prompt": ""}, 400, ["empty"], None),
+    (CMPL, {"prompt": []}, 400, ["empty"], None),
+    (CMPL, {"prompt": [5, 99999]}, 400, ["99999", "vocabulary"], None),
+    (CMPL, {"prompt": "hi", "model": "gpt-4"}, 404, ["gpt-4", "does not exist"], "model"),
+    (CMPL, {"prompt": "x" * 300}, 400, ["maximum context length is 256", "300"], "prompt"),
+    (CMPL, {"prompt": "hi", "max_tokens": 1000}, 400, ["maximum context length", "max_tokens"],
+     "prompt"),
+    (CMPL, {"prompt": "x" * 300, "stream": True}, 400, ["maximum context length"], "prompt"),
+    (CMPL, {"prompt": "hi", "temperature": -1, "stream": True}, 400, ["temperature"],
+     "temperature"),
+    (CHAT, {"messages": []}, 400, ["messages is empty"], None),
+    (CHAT, {"messages": "hi"}, 400, ["messages"], "messages"),
+    (CHAT, {"messages": [{"content": "hi"}]}, 400, ["messages[0].role is required"],
+     "messages[0].role"),
+    (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, ["messages[0].content"],
+     "messages[0].content"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     400, ["only text parts"], None),
+    (CHAT, {"messages": MSGS, "top_logprobs": 3}, 400, ["top_logprobs needs logprobs"], None),
+    (CHAT, {"messages": MSGS, "logprobs": True, "top_logprobs": 99}, 400, ["top_logprobs"],
+     "top_logprobs"),
+    (CHAT, {"messages": MSGS, "tools": [{"type": "function"}]}, 400, ["tools"], None),
+    (CHAT, {"messages": MSGS, "chat_template": "{% if %}"}, 400, ["chat template"], "messages"),
+    (CHAT, {"messages": MSGS, "chat_template_kwargs": {"tokenize": True}}, 400,
+     ["chat_template_kwargs", "tokenize"], None),
+    (CHAT, {"messages": MSGS, "max_completion_tokens": 5000}, 400, ["maximum context length"],
+     "prompt"),
+    (CHAT, {"messages": MSGS, "model": "other"}, 404, ["other"], "model"),
+    ("/tokenize", {"prompt": "a", "messages": MSGS}, 400, ["exactly one of"], None),
+    ("/tokenize", {"text": "a"}, 400, ["Unrecognized", "text"], "text"),
+    ("/detokenize", {"tokens": [1, -4]}, 400, ["-4", "vocabulary"], "tokens"),
+    ("/detokenize", {"tokens": "abc"}, 400, ["tokens"], "tokens"),
+]
+
+
+@pytest.mark.parametrize(
+    "path, body, status, fragments, param", BAD_REQUESTS,
+    ids=[f"{i}-{p.rsplit('/', 1)[-1]}" for i, (p, *_rest) in enumerate(BAD_REQUESTS)],
+)
+def test_bad_request(server, path, body, status, fragments, param):
+    code, headers, raw = server.request("POST", path, body, headers=AUTH)
+    assert headers["content-type"] == "application/json"
+    err = assert_error(code, raw, status, *fragments)
+    assert err["param"] == param
+    expected_type = {400: "invalid_request_error", 404: "not_found_error"}[status]
+    assert err["type"] == expected_type
+
+
+def test_api_key_required_on_v1_routes(server):
+    body = {"prompt": "hi", "max_tokens": 2}
+    code, _, raw = server.request("POST", CMPL, body)
+    assert_error(code, raw, 401, "missing API key")
+    code, _, raw = server.request("POST", CMPL, body, headers={"Authorization": "Bearer nope"})
+    err = assert_error(code, raw, 401, "invalid API key")
+    assert err["type"] == "authentication_error"
+    code, _, raw = server.request("GET", "/v1/models", headers={"Authorization": KEY})
+    assert_error(code, raw, 401)  # the key without "Bearer "
+    assert server.request("GET", "/v1/models", headers=AUTH)[0] == 200
+    # Health, metrics and version stay open for probes and scrapers.
+    for path in ("/health", "/metrics", "/version"):
+        assert server.request("GET", path)[0] == 200
+
+
+def test_openai_client_sees_typed_errors(server):
+    good = openai.OpenAI(base_url=f"{server.base}/v1", api_key=KEY, max_retries=0, timeout=30)
+    bad = openai.OpenAI(base_url=f"{server.base}/v1", api_key="wrong", max_retries=0, timeout=30)
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            good.completions.create(model="missing-model", prompt="hi", max_tokens=2)
+        with pytest.raises(openai.BadRequestError, match="temperature"):
+            good.chat.completions.create(model="tiny", messages=MSGS, temperature=-3)
+        with pytest.raises(openai.BadRequestError, match="maximum context length"):
+            good.completions.create(model="tiny", prompt="y" * 400, max_tokens=2)
+        assert good.completions.create(model="tiny", prompt="hi", max_tokens=2).choices
+    finally:
+        good.close()
+        bad.close()
+
+
+def test_body_size_limit(server):
+    big = {"prompt": "a" * (LIMIT + 10)}
+    code, _, raw = server.request("POST", CMPL, big, headers=AUTH)
+    assert_error(code, raw, 413, str(LIMIT), "--max-request-body-bytes")
+    # Without Content-Length (chunked): cut off while reading, not buffered whole.
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        payload = json.dumps(big).encode()
+        chunks = (payload[i : i + 8192] for i in range(0, len(payload), 8192))
+        conn.request("POST", CMPL, body=chunks, headers={**AUTH, "Content-Type": "application/json"},
+                     encode_chunked=True)
+        resp = conn.getresponse()
+        assert_error(resp.status, resp.read(), 413, str(LIMIT))
+    finally:
+        conn.close()
+
+
+def test_unknown_route_and_method(server):
+    code, _, raw = server.request("GET", "/v2/nothing")
+    assert_error(code, raw, 404, "/v2/nothing")
+    code, _, raw = server.request("GET", CMPL, headers=AUTH)
+    assert_error(code, raw, 405, "GET")
+
+
+def test_server_survives_200_bad_requests(server):
+    cycle = itertools.cycle(BAD_REQUESTS)
+    for _ in range(200):
+        path, body, status, _fragments, _param = next(cycle)
+        code, _, raw = server.request("POST", path, body, headers=AUTH)
+        assert code == status
+        assert json.loads(raw)["error"]["code"] == status
+    code, body = server.json("POST", CMPL, {"prompt": "hi", "max_tokens": 3, "ignore_eos": True},
+                             headers=AUTH)
+    assert code == 200 and body["usage"]["completion_tokens"] == 3
+    assert server.request("GET", "/health")[0] == 200
+    assert server.proc.poll() is None
+    assert "Traceback" not in server.log()

@@ -1,0 +1,161 @@
+"""/metrics moves by the expected amounts for a known workload, and /start_profile +
+/stop_profile write a Chrome trace of the model forward (profiler set by --additional-config)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+from server_utils import TINY_FLAGS, metric, run_server, wait_until
+
+PREFILL_BUCKETS = [128, 256]  # powers of two from 128 up to min(2048, max_model_len=256)
+DECODE_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]  # up to max_num_seqs (256)
+
+
+@pytest.fixture(scope="module")
+def profile_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("profiles")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir, tmp_path_factory, profile_dir):
+    profiler = {"profiler": {"output_dir": str(profile_dir)}}
+    args = [str(tiny_llama_dir), *TINY_FLAGS, "--additional-config", json.dumps(profiler)]
+    with run_server(args, tmp_path_factory.mktemp("logs")) as s:
+        yield s
+
+
+def test_bucket_children_and_startup_gauges_before_traffic(server, tiny_llama_dir):
+    """Runs first: the grid's children exist at zero before any request."""
+    m = server.metrics()
+    for b in PREFILL_BUCKETS:
+        label = f"prefill_s{b}"
+        assert metric(m, "ingot:bucket_execution_count_total", bucket_name=label) == 0
+        assert metric(m, "ingot:num_batched_tokens_padding_count", bucket_name=label) == 0
+    for b in DECODE_BUCKETS:
+        label = f"decode_b{b}"
+        assert metric(m, "ingot:bucket_execution_count_total", bucket_name=label) == 0
+        assert metric(m, "ingot:num_seqs_padding_count", bucket_name=label) == 0
+    assert metric(m, "ingot:generation_tokens_total") == 0
+    assert metric(m, "ingot:num_requests_running") == 0
+    assert metric(m, "ingot:kv_cache_usage_perc") == 0
+    assert metric(m, "ingot:kv_cache_free_blocks") > 0  # the idle value, not an unset zero
+    assert metric(m, "ingot:startup_time_seconds") > 0
+    assert metric(m, "ingot:model_load_time_seconds") > 0
+    assert metric(m, "ingot:compilation_time_seconds") >= 0
+    with safe_open(str(tiny_llama_dir / "model.safetensors"), "pt") as f:
+        weight_bytes = sum(f.get_tensor(k).numel() * 4 for k in f.keys())  # float32
+    assert metric(m, "ingot:model_load_size_bytes") == weight_bytes
+
+
+def test_counters_move_by_the_workload(server):
+    prompt_lens, k = [10, 20, 30], 5
+    before = server.metrics()
+    for i, n in enumerate(prompt_lens):
+        # One at a time, so each request is one prefill at bucket 128 then k-1 decodes at 1.
+        code, body = server.json("POST", "/v1/completions", {
+            "prompt": [40 + i] * n, "max_tokens": k, "ignore_eos": True, "temperature": 0,
+        })
+        assert code == 200 and body["usage"]["completion_tokens"] == k
+    after = server.metrics()
+
+    def delta(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    nreq = len(prompt_lens)
+    assert delta("ingot:generation_tokens_total") == nreq * k
+    assert delta("ingot:prompt_tokens_total") == sum(prompt_lens)
+    assert delta("ingot:request_success_total", finished_reason="length") == nreq
+    assert delta("ingot:bucket_execution_count_total", bucket_name="prefill_s128") == nreq
+    assert delta("ingot:bucket_execution_count_total", bucket_name="decode_b1") == nreq * (k - 1)
+    assert delta("ingot:bucket_execution_count_total", bucket_name="decode_b2") == 0
+    assert delta("ingot:bucket_execution_count_total", bucket_name="prefill_s256") == 0
+    # Prefill padding: each prompt padded up to 128 tokens.
+    assert delta("ingot:num_batched_tokens_padding_count", bucket_name="prefill_s128") == nreq
+    assert delta("ingot:num_batched_tokens_padding_sum", bucket_name="prefill_s128") == sum(
+        128 - n for n in prompt_lens
+    )
+    # Decode alone in a batch of 1: no dummy rows.
+    assert delta("ingot:num_seqs_padding_count", bucket_name="decode_b1") == nreq * (k - 1)
+    assert delta("ingot:num_seqs_padding_sum", bucket_name="decode_b1") == 0
+    for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
+                 "request_queue_time_seconds"):
+        assert delta(f"ingot:{hist}_count") == nreq
+        assert delta(f"ingot:{hist}_sum") > 0 or hist == "request_queue_time_seconds"
+    assert delta("ingot:inter_token_latency_seconds_count") == nreq * (k - 1)
+    # Idle again: nothing running, every block back.
+    assert metric(after, "ingot:num_requests_running") == 0
+    assert metric(after, "ingot:num_requests_waiting") == 0
+    assert metric(after, "ingot:kv_cache_free_blocks") == metric(before, "ingot:kv_cache_free_blocks")
+    assert metric(after, "ingot:kv_cache_usage_perc") == 0
+
+
+def test_histogram_edges_in_exposition(server):
+    text = server.metrics_text()
+    seqs = [ln for ln in text.splitlines()
+            if ln.startswith('ingot:num_seqs_padding_bucket{') and 'decode_b4"' in ln]
+    edges = [ln.split('le="')[1].split('"')[0] for ln in seqs]
+    assert edges == [f"{2.0**i}" for i in range(8)] + ["+Inf"]
+
+
+def test_abort_of_a_disconnected_stream_is_counted(server):
+    import http.client
+
+    before = server.metrics()
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps({
+        "prompt": "abc", "max_tokens": 200, "ignore_eos": True, "stream": True,
+    }), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    for _ in range(4):  # a couple of events ("data: ...", blank line)
+        assert resp.fp.readline()
+    conn.close()  # the client goes away mid-stream
+
+    def aborted() -> bool:
+        m = server.metrics()
+        return (
+            metric(m, "ingot:request_success_total", finished_reason="abort")
+            - before.get(("ingot:request_success_total", (("finished_reason", "abort"),)), 0)
+            == 1
+            and metric(m, "ingot:num_requests_running") == 0
+        )
+
+    assert wait_until(aborted, timeout=15)
+    after = server.metrics()
+    assert metric(after, "ingot:kv_cache_free_blocks") == metric(before, "ingot:kv_cache_free_blocks")
+    # Aborted long before its 200 tokens.
+    assert metric(after, "ingot:generation_tokens_total") - metric(
+        before, "ingot:generation_tokens_total") < 200
+
+
+def _trace_names(path: Path) -> set[str]:
+    trace = json.loads(path.read_text())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return {e.get("name", "") for e in events}
+
+
+def test_profile_cycle_writes_a_chrome_trace(server, profile_dir):
+    status, body = server.json("POST", "/stop_profile")
+    assert status == 200 and body["trace"] is None  # nothing started, nothing written
+    traces = []
+    for _ in range(2):
+        status, body = server.json("POST", "/start_profile")
+        assert status == 200
+        status, again = server.json("POST", "/start_profile")
+        assert status == 400 and "already running" in again["error"]["message"]
+        code, _ = server.json("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 3})
+        assert code == 200
+        status, body = server.json("POST", "/stop_profile")
+        assert status == 200 and body["trace"]
+        traces.append(Path(body["trace"]))
+    for trace in traces:
+        assert trace.is_file() and trace.name == "rank0.trace.json"
+        assert trace.parent.parent == profile_dir
+        names = _trace_names(trace)
+        # The model forward ran inside the profiled steps: its matmuls and embedding lookup.
+        assert any(n in names for n in ("aten::linear", "aten::mm", "aten::addmm")), names
+        assert "aten::embedding" in names
+    assert traces[0].parent != traces[1].parent  # one directory per cycle

@@ -1,0 +1,174 @@
+"""EngineMetrics: label strings, histogram edges, children at zero before traffic, and what one
+step's outputs add (driven with a stand-in engine: the metrics read only a few attributes)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ingot.core.buckets import BucketGrid
+from ingot.core.kv_cache_manager import BlockPool
+from ingot.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from ingot.metrics.prometheus import (
+    SEQS_PADDING_BUCKETS,
+    TOKENS_PADDING_BUCKETS,
+    EngineMetrics,
+    decode_label,
+    prefill_label,
+)
+from ingot.metrics.stats import BucketStats
+
+
+def _stats(ctx: list[int] | None = None) -> BucketStats:
+    config = {} if ctx is None else {"decode_context_length_buckets": ctx}
+    grid = BucketGrid.from_config(config, max_num_batched_tokens=512, max_num_seqs=8,
+                                  max_model_len=512, block_size=32)
+    return BucketStats.for_grid(grid)
+
+
+def _samples(metrics: EngineMetrics) -> dict:
+    text = generate_latest(metrics.registry).decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
+            assert s.labels["model_name"] == "m"
+            out[(s.name, labels)] = s.value
+    return out
+
+
+def _engine(stats: BucketStats, pool: BlockPool, running: int = 0, waiting: int = 0):
+    return SimpleNamespace(
+        scheduler=SimpleNamespace(num_running=running, num_waiting=waiting),
+        engine_core=SimpleNamespace(
+            kv_cache_manager=SimpleNamespace(pool=pool),
+            executor=SimpleNamespace(worker=SimpleNamespace(model_runner=SimpleNamespace(
+                stats=stats))),
+        ),
+    )
+
+
+def _out(rid: str, prompt_len: int, tokens: list[list[int]], reasons: list[str | None],
+         arrival: float = 1.0) -> RequestOutput:
+    return RequestOutput(
+        request_id=rid, prompt=None, prompt_token_ids=list(range(prompt_len)), prompt_logprobs=None,
+        outputs=[CompletionOutput(i, "", t, None, None, r)
+                 for i, (t, r) in enumerate(zip(tokens, reasons, strict=True))],
+        finished=all(r is not None for r in reasons),
+        metrics=RequestMetrics(arrival_time=arrival, first_scheduled_time=arrival + 0.5),
+    )
+
+
+def test_label_strings():
+    assert prefill_label(1024) == "prefill_s1024"
+    assert decode_label(4) == "decode_b4"
+    assert decode_label(4, 2048) == "decode_b4_ctx2048"
+
+
+def test_histogram_edges():
+    assert SEQS_PADDING_BUCKETS == (1, 2, 4, 8, 16, 32, 64, 128)
+    assert TOKENS_PADDING_BUCKETS == (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+    m = EngineMetrics("m", CollectorRegistry())
+    m.init_buckets(_stats())
+    s = _samples(m)
+    les = sorted(
+        float(dict(labels)["le"]) for (name, labels) in s
+        if name == "ingot:num_batched_tokens_padding_bucket"
+        and dict(labels)["bucket_name"] == "prefill_s128"
+    )
+    assert les == [*TOKENS_PADDING_BUCKETS, float("inf")]
+
+
+def test_children_exist_at_zero_before_traffic():
+    m = EngineMetrics("m", CollectorRegistry())
+    m.init_buckets(_stats())
+    s = _samples(m)
+    for b in (128, 256, 512):
+        assert s[("ingot:bucket_execution_count_total", (("bucket_name", f"prefill_s{b}"),))] == 0
+        assert s[("ingot:num_batched_tokens_padding_count",
+                  (("bucket_name", f"prefill_s{b}"),))] == 0
+    for b in (1, 2, 4, 8):
+        assert s[("ingot:bucket_execution_count_total", (("bucket_name", f"decode_b{b}"),))] == 0
+        assert s[("ingot:num_seqs_padding_count", (("bucket_name", f"decode_b{b}"),))] == 0
+    for reason in ("stop", "length", "abort"):
+        assert s[("ingot:request_success_total", (("finished_reason", reason),))] == 0
+    for name in ("ingot:prompt_tokens_total", "ingot:generation_tokens_total",
+                 "ingot:time_to_first_token_seconds_count", "ingot:e2e_request_latency_seconds_count",
+                 "ingot:inter_token_latency_seconds_count", "ingot:request_queue_time_seconds_count",
+                 "ingot:num_requests_running", "ingot:kv_cache_usage_perc",
+                 "ingot:startup_time_seconds", "ingot:model_load_size_bytes"):
+        assert s[(name, ())] == 0, name
+    # No context buckets configured: no _ctx children.
+    assert not any("_ctx" in dict(labels).get("bucket_name", "") for _, labels in s)
+
+
+def test_context_bucket_children_and_counting():
+    stats = _stats(ctx=[128, 256])
+    m = EngineMetrics("m", CollectorRegistry())
+    m.init_buckets(stats)
+    s = _samples(m)
+    for ctx in (128, 256, 512):
+        for b in (1, 2, 4, 8):
+            key = ("ingot:bucket_execution_count_total", (("bucket_name", f"decode_b{b}_ctx{ctx}"),))
+            assert s[key] == 0
+    stats.record_decode(4, 3, 256)
+    m.record_step(_engine(stats, BlockPool(10)), [], 0.01)
+    s = _samples(m)
+    assert s[("ingot:bucket_execution_count_total", (("bucket_name", "decode_b4_ctx256"),))] == 1
+    assert s[("ingot:bucket_execution_count_total", (("bucket_name", "decode_b4_ctx128"),))] == 0
+    assert s[("ingot:num_seqs_padding_sum", (("bucket_name", "decode_b4"),))] == 1
+
+
+def test_step_outputs_move_counters_once():
+    stats = _stats()
+    pool = BlockPool(11)
+    m = EngineMetrics("m", CollectorRegistry())
+    m.init_buckets(stats)
+    m.record_gauges(_engine(stats, pool))
+    assert _samples(m)[("ingot:kv_cache_free_blocks", ())] == 10
+
+    # Step 1: a prefill of 20 tokens padded to 128 gives the first token.
+    stats.record_prefill(128, 20)
+    held = pool.allocate(3)
+    m.record_step(_engine(stats, pool, running=1), [_out("a", 20, [[7]], [None])], 0.01)
+    # Step 2 and 3: decodes in a batch bucket of 2 with one real row; then it finishes.
+    stats.record_decode(2, 1, None)
+    m.record_step(_engine(stats, pool, running=1), [_out("a", 20, [[7, 8]], [None])], 0.01)
+    stats.record_decode(2, 1, None)
+    pool.free(held)
+    m.record_step(_engine(stats, pool), [_out("a", 20, [[7, 8, 9]], ["length"])], 0.01)
+    s = _samples(m)
+    assert s[("ingot:prompt_tokens_total", ())] == 20  # counted once, not per step
+    assert s[("ingot:generation_tokens_total", ())] == 3
+    assert s[("ingot:time_to_first_token_seconds_count", ())] == 1
+    assert s[("ingot:request_queue_time_seconds_sum", ())] == 0.5
+    assert s[("ingot:inter_token_latency_seconds_count", ())] == 2
+    assert s[("ingot:e2e_request_latency_seconds_count", ())] == 1
+    assert s[("ingot:request_success_total", (("finished_reason", "length"),))] == 1
+    assert s[("ingot:bucket_execution_count_total", (("bucket_name", "prefill_s128"),))] == 1
+    assert s[("ingot:num_batched_tokens_padding_sum", (("bucket_name", "prefill_s128"),))] == 108
+    assert s[("ingot:bucket_execution_count_total", (("bucket_name", "decode_b2"),))] == 2
+    assert s[("ingot:num_seqs_padding_sum", (("bucket_name", "decode_b2"),))] == 2
+    assert s[("ingot:kv_cache_free_blocks", ())] == 10
+    assert s[("ingot:num_requests_running", ())] == 0
+
+
+def test_n2_finish_and_abort_count_per_sequence():
+    stats = _stats()
+    pool = BlockPool(11)
+    m = EngineMetrics("m", CollectorRegistry())
+    m.init_buckets(stats)
+    m.record_step(_engine(stats, pool), [_out("b", 4, [[1, 2], [3]], ["stop", "length"])], 0.01)
+    held = pool.allocate(4)
+    m.record_step(_engine(stats, pool, running=2), [_out("c", 4, [[1], [2]], [None, None])], 0.01)
+    assert _samples(m)[("ingot:kv_cache_free_blocks", ())] == 6
+    pool.free(held)  # the engine freed the aborted request's blocks: the gauge follows at once
+    m.record_abort(_engine(stats, pool), "c", num_seqs=2)
+    s = _samples(m)
+    assert s[("ingot:request_success_total", (("finished_reason", "stop"),))] == 1
+    assert s[("ingot:request_success_total", (("finished_reason", "length"),))] == 1
+    assert s[("ingot:request_success_total", (("finished_reason", "abort"),))] == 2
+    assert s[("ingot:generation_tokens_total", ())] == 5
+    assert s[("ingot:kv_cache_free_blocks", ())] == 10
