@@ -102,6 +102,47 @@ class AliasingOutputRewrite(FXPass):
         return gm, info
 
 
+def _shape(node: Node) -> tuple[int, ...] | None:
+    value = node.meta.get("example_value")
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+class CopyBackInGraph(FXPass):
+    """Turn the appended outputs back into in-graph ``input.copy_(new_value)`` writes.
+
+    Runs after AliasingOutputRewrite (and usually InPlaceToOutOfPlace). The graph regains its
+    original outputs, and the write-back happens inside it, which is what a backend that
+    functionalises input mutations itself wants: Inductor then updates the input buffer in
+    place (an ``index_put_`` into the KV cache), whereas :func:`copy_back_outputs` after the
+    graph costs a fresh output buffer and a full copy of every mutated input per call.
+    """
+
+    name = "copy_back_in_graph"
+
+    def run(self, gm: GraphModule, **kwargs: Any) -> GraphModule:
+        info = gm.meta.pop(ALIAS_INFO_KEY, None)
+        if info is None:
+            raise ValueError(f"{self.name} needs AliasingOutputRewrite to run before it")
+        graph = gm.graph
+        output = graph.output_node()
+        outs = list(output.args[0])
+        placeholders = list(graph.find_nodes(op="placeholder"))
+        done: set[int] = set()
+        with graph.inserting_before(output):
+            for out_index, in_index in info["io_map"].items():
+                if in_index in info["mutated_inputs"] and in_index not in done:
+                    done.add(in_index)
+                    src, dst = outs[out_index], placeholders[in_index]
+                    if src is dst:
+                        continue  # still mutated in place (the in-place rewrite did not run)
+                    if _shape(src) is None or _shape(src) != _shape(dst):
+                        src = graph.call_method("reshape_as", (src, dst))
+                    graph.call_method("copy_", (dst, src))
+        output.args = (tuple(outs[: info["original_output_count"]]),)
+        gm.recompile()
+        return gm
+
+
 def get_alias_info(gm: GraphModule) -> AliasInfo | None:
     """The info :class:`AliasingOutputRewrite` stored on ``gm`` (None if it did not run)."""
     return gm.meta.get(ALIAS_INFO_KEY)

@@ -47,16 +47,23 @@ def default_passes(target_device: str | torch.device = "cpu") -> list[FXPass]:
 
 
 def _check_order(passes: Sequence[FXPass]) -> None:
-    from ingot.compilation.passes.aliasing import AliasingOutputRewrite
+    from ingot.compilation.passes.aliasing import AliasingOutputRewrite, CopyBackInGraph
     from ingot.compilation.passes.inplace_to_outofplace import InPlaceToOutOfPlace
 
-    kinds = [type(p) for p in passes]
-    aliasing = [i for i, k in enumerate(kinds) if issubclass(k, AliasingOutputRewrite)]
-    inplace = [i for i, k in enumerate(kinds) if issubclass(k, InPlaceToOutOfPlace)]
-    if aliasing and inplace and min(inplace) < min(aliasing):
-        raise ValueError(
-            "AliasingOutputRewrite must run before InPlaceToOutOfPlace: once the in-place ops "
-            "are gone, the mutated inputs can no longer be found")
+    def first(kind: type) -> int | None:
+        return next((i for i, p in enumerate(passes) if isinstance(p, kind)), None)
+
+    # (earlier, later, why): the later pass consumes what the earlier one leaves.
+    rules = [
+        (AliasingOutputRewrite, InPlaceToOutOfPlace,
+         "once the in-place ops are gone, the mutated inputs can no longer be found"),
+        (AliasingOutputRewrite, CopyBackInGraph, "it needs the alias map"),
+        (InPlaceToOutOfPlace, CopyBackInGraph, "the rewrite would remove the copy-back"),
+    ]
+    for earlier, later, why in rules:
+        i, j = first(earlier), first(later)
+        if i is not None and j is not None and j < i:
+            raise ValueError(f"{earlier.__name__} must run before {later.__name__}: {why}")
 
 
 class FXPassManager:

@@ -43,6 +43,7 @@ from ingot.compilation.passes.alias_analysis import (
     is_inplace_name,
     view_kind,
 )
+from ingot.compilation.passes.aliasing import ALIAS_INFO_KEY
 from ingot.compilation.passes.base import FXPass
 from ingot.compilation.passes.graph_builder import MISSING, GraphBuilder, fake_args
 from ingot.compilation.passes.setitem_lowering import lower_setitem, source_for
@@ -71,7 +72,13 @@ class InPlaceToOutOfPlace(FXPass):
     name = "inplace_to_outofplace"
 
     def run(self, gm: GraphModule, **kwargs: Any) -> GraphModule:
-        _Rewriter(gm.graph).run()
+        rewriter = _Rewriter(gm.graph)
+        rewriter.run()
+        if ALIAS_INFO_KEY not in gm.meta and rewriter.mutated_inputs:
+            # Nothing returns the new values: the writes into these inputs are now lost.
+            logger.warning(
+                "InPlaceToOutOfPlace dropped writes into graph inputs %s; run "
+                "AliasingOutputRewrite first to return them", sorted(rewriter.mutated_inputs))
         gm.recompile()
         return gm
 
@@ -88,6 +95,7 @@ class _Rewriter:
         self.viewdef: dict[Node, Node] = {}  # value node -> original node defining that view
         self.family: dict[Node, list[Node]] = {}  # root value -> its views (creation order)
         self.origin: dict[Node, Node] = {}  # new value node -> original node it replaces
+        self.mutated_inputs: set[str] = set()  # names of placeholders written to
 
     def run(self) -> None:
         for node in self.nodes:
@@ -165,6 +173,8 @@ class _Rewriter:
     def _adopt(self, root: Node, new: dict[Node, Node]) -> None:
         """Record the new values as the root's new view family, for later mutations."""
         new_root = new[root]
+        if self.origin.get(root, root).op == "placeholder":
+            self.mutated_inputs.add(self.origin.get(root, root).name)
         family = self.family.setdefault(new_root, [])
         # ``new`` runs from the mutated view up to the root, then the re-derived views. An
         # IDENTITY step maps two old values to one new node; the entry nearer the root wins,
