@@ -206,6 +206,14 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     )
 
 
+def cmd_bench(ns: argparse.Namespace) -> int:
+    from ingot.benchmarks.workloads import run_workloads
+
+    names = ns.workload.split(",") if ns.workload != "all" else ["offline", "single", "prefill"]
+    run_workloads(engine_args_from(ns), names, progress=not ns.no_progress)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ingot", description="ingot LLM inference engine")
     parser.add_argument("--version", action="version", version=f"ingot {__version__}")
@@ -239,6 +247,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat, max_tokens=256)
+
+    bench = sub.add_parser(
+        "bench", help="run the shared benchmark workloads (offline, single, prefill)"
+    )
+    bench.add_argument("workload", help="offline | single | prefill | a comma list | all")
+    bench.add_argument("--no-progress", action="store_true")
+    add_engine_args(bench)
+    # The peer script's settings, so both engines do identical work.
+    bench.set_defaults(func=cmd_bench, dtype="bfloat16", max_model_len=2048, max_num_seqs=64,
+                       max_num_batched_tokens=2048)
 
     conv = sub.add_parser("convert", help="convert a GGUF file into a Hugging Face directory")
     conv.add_argument("gguf", help="input .gguf file")

@@ -1,0 +1,30 @@
+import importlib.util
+import re
+from pathlib import Path
+
+from ingot.benchmarks.workloads import WORKLOADS, prompts_for, result_line
+
+PEER = Path(__file__).resolve().parents[3] / "shared" / "bench" / "vllm_workloads.py"
+
+
+def _peer_module():
+    spec = importlib.util.spec_from_file_location("vllm_workloads", PEER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # defines functions only; vllm is imported inside main()
+    return module
+
+
+def test_same_workloads_and_prompts_as_the_peer():
+    peer = _peer_module()
+    assert peer.WORKLOADS == WORKLOADS
+    for n, inp, _ in WORKLOADS.values():
+        assert peer.prompts_for(n, inp) == prompts_for(n, inp)
+
+
+def test_result_line_format():
+    line = result_line("offline", 64, 128, 128, 2.0, 64 * 128)
+    assert re.fullmatch(
+        r"RESULT workload=offline engine=ingot requests=64 input_len=128 output_len=128 "
+        r"time_s=2\.000 output_tok_s=4096\.0 total_tok_s=8192\.0",
+        line,
+    )
