@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from contextlib import aclosing
 from typing import Any
 
@@ -146,19 +147,19 @@ async def asgi(app: Any, method: str, path: str, body: Any = None) -> tuple[int,
 
 
 def test_engine_failure_reaches_every_pending_request(tiny_llama_dir):
-    """The step raises while one streaming and two whole requests wait (plus one AsyncLLM
-    stream): each gets an error within seconds, /health turns 503, new work is refused."""
+    """The step raises while two whole requests, one HTTP stream and one AsyncLLM stream are
+    mid-flight: each gets the error within seconds, /health turns 503, new work is refused."""
     llm = AsyncLLM(_engine(tiny_llama_dir))
-    gate = threading.Event()
+    fail = threading.Event()
     real_step = llm.engine.step
-    calls = {"n": 0}
 
     def faulty_step() -> list:
-        calls["n"] += 1
-        if calls["n"] <= 2:
-            return real_step()  # a couple of good steps: requests are mid-flight
-        gate.wait(timeout=30)  # hold the failure until every request is pending
-        raise RuntimeError("injected fault")
+        if fail.is_set():
+            raise RuntimeError("injected fault")
+        # Good but slow steps until the test has every request mid-flight (200 tokens take
+        # at least 10 s, so none finishes first); never blocking, so adds still get through.
+        time.sleep(0.05)
+        return real_step()
 
     llm.engine.step = faulty_step
     app = build_app(llm, ServerSettings(served_model_name="tiny"), EngineMetrics("tiny"))
@@ -175,12 +176,12 @@ def test_engine_failure_reaches_every_pending_request(tiny_llama_dir):
         assert (await asgi(app, "GET", "/health"))[0] == 200
         tasks = [
             asyncio.create_task(asgi(app, "POST", "/v1/completions",
-                                     {"prompt": "hello", "max_tokens": 100, "ignore_eos": True})),
+                                     {"prompt": "hello", "max_tokens": 200, "ignore_eos": True})),
             asyncio.create_task(asgi(app, "POST", "/v1/chat/completions", {
-                "messages": [{"role": "user", "content": "x"}], "max_tokens": 100,
+                "messages": [{"role": "user", "content": "x"}], "max_tokens": 200,
                 "ignore_eos": True})),
             asyncio.create_task(asgi(app, "POST", "/v1/completions", {
-                "prompt": "stream me", "max_tokens": 100, "ignore_eos": True, "stream": True})),
+                "prompt": "stream me", "max_tokens": 200, "ignore_eos": True, "stream": True})),
             asyncio.create_task(direct()),
         ]
         for _ in range(300):  # until all four are inside the engine (bounded: 30 s)
@@ -188,7 +189,7 @@ def test_engine_failure_reaches_every_pending_request(tiny_llama_dir):
                 break
             await asyncio.sleep(0.1)
         assert len(llm.engine.parents) == 4
-        gate.set()
+        fail.set()
         results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=15)
         health = await asgi(app, "GET", "/health")
         after = await asgi(app, "POST", "/v1/completions", {"prompt": "hi", "stream": True})
@@ -200,7 +201,7 @@ def test_engine_failure_reaches_every_pending_request(tiny_llama_dir):
     try:
         (whole1, whole2, stream, direct_exc), health, after = asyncio.run(main())
     finally:
-        gate.set()
+        fail.set()
         llm.shutdown()
     for status, body in (whole1, whole2):
         assert status == 503

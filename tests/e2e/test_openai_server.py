@@ -302,6 +302,9 @@ def test_prompt_logprobs_in_whole_responses(client, model, llm):
         actual = entry[str(prompt[pos])]  # the prompt's own token is always included
         assert actual["logprob"] == pytest.approx(ref_entry[prompt[pos]].logprob, abs=1e-4)
         assert actual["rank"] >= 1 and 2 <= len(entry) <= 3
-    chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2,
+    # Sent twice: the second time its prefix is cached, yet every position still has an entry.
+    probe = [{"role": "user", "content": "prompt logprobs probe"}]
+    client.chat.completions.create(model=model, messages=probe, max_tokens=2)
+    chat = client.chat.completions.create(model=model, messages=probe, max_tokens=2,
                                           extra_body={"prompt_logprobs": 0})
     assert len(chat.model_extra["prompt_logprobs"]) == chat.usage.prompt_tokens

@@ -76,3 +76,15 @@ def test_reset_prefix_cache(tiny_llama_dir):
     assert llm.reset_prefix_cache()
     (cold,) = llm.generate([prompt], PARAMS)
     assert cold.num_cached_tokens == 0
+
+
+def test_prompt_logprobs_bypass_the_prefix_cache(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=256, block_size=16)
+    prompt = list(range(3, 43))
+    params = SamplingParams(max_tokens=1, prompt_logprobs=1)
+    (first,) = llm.generate([prompt], params)
+    (second,) = llm.generate([prompt], params)
+    assert second.num_cached_tokens == 0
+    assert len(second.prompt_logprobs) == len(first.prompt_logprobs) == 40
+    (plain,) = llm.generate([prompt], SamplingParams(max_tokens=1))
+    assert plain.num_cached_tokens == 32  # the blocks were still published

@@ -222,7 +222,9 @@ class TensorCapture:
             members = space[name]
             for i, member in enumerate(members):
                 part = (i, len(members)) if len(members) > 1 else None
-                self._handles.append(modules[member].register_forward_hook(self._make_hook(name, part)))
+                self._handles.append(
+                    modules[member].register_forward_hook(self._make_hook(name, part))
+                )
         self._handles.append(model.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
         self._handles.append(model.register_forward_hook(self._post_forward))
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -257,7 +259,11 @@ class TensorCapture:
             ids = input_ids[real_rows].tolist()
             if pending is not None:
                 phase = pending["phase"]
-                req_ids = [r for r, n in zip(pending["req_ids"], pending["tokens_per_req"], strict=True) for _ in range(n)]
+                req_ids = [
+                    r
+                    for r, n in zip(pending["req_ids"], pending["tokens_per_req"], strict=True)
+                    for _ in range(n)
+                ]
             else:  # driven without the runner (e.g. a test harness): infer from the shape
                 phase = "prefill" if meta.max_query_len > 1 else "decode"
                 req_ids = ["?"] * len(ids)
@@ -265,7 +271,9 @@ class TensorCapture:
             self.phases is not None and phase not in self.phases
         ):
             return
-        self._current = _Step(index, phase, positions, ids, req_ids[: len(ids)], num_padded, real_rows)
+        self._current = _Step(
+            index, phase, positions, ids, req_ids[: len(ids)], num_padded, real_rows
+        )
 
     def _make_hook(self, name: str, part: tuple[int, int] | None):  # noqa: ANN202
         """``part`` = (index, count) for one HF member of a fused ingot module."""
@@ -466,7 +474,9 @@ def load_capture(path: str | Path) -> Capture:
         raise ValueError(f"{path} is not a capture directory (no index.json)")
     index = json.loads(index_file.read_text())
     if index.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: capture format {index.get('format_version')} is not {FORMAT_VERSION}")
+        raise ValueError(
+            f"{path}: capture format {index.get('format_version')} is not {FORMAT_VERSION}"
+        )
     steps = []
     for d in index["steps"]:
         meta = json.loads((path / d / "meta.json").read_text())

@@ -27,21 +27,46 @@ def add_validate_parser(sub: argparse._SubParsersAction, add_engine_args: Callab
         "model_pos", nargs="?", default=None, metavar="MODEL",
         help="HF model directory or .gguf file (same as --model; default: the embedded model)",
     )  # fmt: skip
-    p.add_argument("--prompts", default=None, metavar="FILE",
-                   help=".jsonl of {\"prompt\": ...} / {\"prompt_token_ids\": [...]}, or a text "
-                   "file with one prompt per line (default: a few built-in prompts)")
-    p.add_argument("--max-tokens", type=int, default=None, dest="validate_max_tokens",
-                   help="generated tokens validated per prompt (default: 16)")
-    p.add_argument("--report", default=DEFAULT_REPORT_DIR, metavar="DIR",
-                   help="report directory (default: %(default)s)")
-    p.add_argument("--two-way", action="store_true",
-                   help="compare with HF fp32 only (static thresholds), no HF-in-dtype yardstick")
-    p.add_argument("--compare", choices=["on-failure", "always", "never"], default="on-failure",
-                   help="when to run tensor capture + compare (default: %(default)s)")
-    p.add_argument("--compare-modules", nargs="+", default=None, metavar="GLOB",
-                   help="module name globs to capture ('*' within a name part, '**' across, "
-                   "'0-3' a layer range); default: embeddings, each layer's norms, attention, "
-                   "MLP and output, final norm")
+    p.add_argument(
+        "--prompts",
+        default=None,
+        metavar="FILE",
+        help='.jsonl of {"prompt": ...} / {"prompt_token_ids": [...]}, or a text '
+        "file with one prompt per line (default: a few built-in prompts)",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        dest="validate_max_tokens",
+        help="generated tokens validated per prompt (default: 16)",
+    )
+    p.add_argument(
+        "--report",
+        default=DEFAULT_REPORT_DIR,
+        metavar="DIR",
+        help="report directory (default: %(default)s)",
+    )
+    p.add_argument(
+        "--two-way",
+        action="store_true",
+        help="compare with HF fp32 only (static thresholds), no HF-in-dtype yardstick",
+    )
+    p.add_argument(
+        "--compare",
+        choices=["on-failure", "always", "never"],
+        default="on-failure",
+        help="when to run tensor capture + compare (default: %(default)s)",
+    )
+    p.add_argument(
+        "--compare-modules",
+        nargs="+",
+        default=None,
+        metavar="GLOB",
+        help="module name globs to capture ('*' within a name part, '**' across, "
+        "'0-3' a layer range); default: embeddings, each layer's norms, attention, "
+        "MLP and output, final norm",
+    )
     p.add_argument("--no-kv-analysis", action="store_true", help="skip the KV cache analysis")
     add_engine_args(p)
 

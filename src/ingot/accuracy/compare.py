@@ -158,7 +158,9 @@ def _fmt(x: float | None) -> str:
     return f"{x:.3g}"
 
 
-def _rows_by_position(cap: Capture, request_id: str | None) -> dict[str, dict[int, tuple[int, int]]]:
+def _rows_by_position(
+    cap: Capture, request_id: str | None
+) -> dict[str, dict[int, tuple[int, int]]]:
     """phase -> position -> (step index in cap.steps, row) for one request."""
     out: dict[str, dict[int, tuple[int, int]]] = {}
     for si, step in enumerate(cap.steps):
@@ -223,9 +225,7 @@ def compare_captures(
 
     ref_tokens = _tokens_by_position(base_cap, None)
     tgt_tokens = _tokens_by_position(tgt_cap, request_id)
-    mismatch = next(
-        (p for p in sorted(tgt_tokens) if ref_tokens.get(p) != tgt_tokens[p]), None
-    )
+    mismatch = next((p for p in sorted(tgt_tokens) if ref_tokens.get(p) != tgt_tokens[p]), None)
     tgt_rows = _rows_by_position(tgt_cap, request_id)
     ref_rows = {}
     for rows in _rows_by_position(base_cap, None).values():

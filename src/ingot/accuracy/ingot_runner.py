@@ -64,6 +64,12 @@ class IngotRunner:
     def dtype(self) -> torch.dtype:
         return self.engine.model_config.dtype
 
+    def reset_prefix_cache(self) -> None:
+        """Forget cached prefixes, so the next prefill computes (and captures) every position."""
+        reset = getattr(self.engine, "reset_prefix_cache", None)
+        if reset is not None and not reset():
+            raise RuntimeError("cannot reset the prefix cache while requests hold KV blocks")
+
     def request_blocks(self, request_id: str) -> list[int]:
         """The block ids of a running request (freed when it finishes)."""
         return list(self.engine.engine_core.kv_cache_manager.req_blocks[request_id])
@@ -127,6 +133,8 @@ class IngotRunner:
         params = SamplingParams(
             temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False, prompt_logprobs=0
         )
+        # A prefix-cache hit would skip the prompt-logprob rows of the cached positions.
+        self.reset_prefix_cache()
         with record_logits(self.model) as rec:
             self.llm.generate([{"prompt_token_ids": seq}], params)
         # Rows arrive in position order: the prompt-logprob rows of each prefill chunk

@@ -47,13 +47,31 @@ def scatter_paged_kv(
         kv_cache[1, block, offset] = v[pos]
 
 
-def snapshot_request_kv(kv_caches: list[torch.Tensor], block_ids: list[int], seq_len: int) -> KV:
-    """Float32 copies of every layer's K/V for one request (they must outlive its blocks)."""
+def snapshot_request_kv(
+    kv_caches: list[torch.Tensor],
+    block_ids: list[int],
+    seq_len: int,
+    scales: list[tuple[float, float]] | None = None,
+) -> KV:
+    """Float32 copies of every layer's K/V for one request (they must outlive its blocks).
+    ``scales``: per-layer (k_scale, v_scale) of a quantised (FP8) cache, applied on read."""
     out = []
-    for cache in kv_caches:
+    for i, cache in enumerate(kv_caches):
         k, v = gather_paged_kv(cache, block_ids, seq_len)
-        out.append((k.float().cpu().clone(), v.float().cpu().clone()))
+        k_scale, v_scale = scales[i] if scales is not None else (1.0, 1.0)
+        out.append((k.float().cpu() * k_scale, v.float().cpu() * v_scale))
     return out
+
+
+def model_kv_scales(model: Any) -> list[tuple[float, float]] | None:
+    """Per-layer FP8 KV scales of an ingot Llama-family model (None when it has none)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        return None
+    scales = [getattr(layer.self_attn, "kv_scales", None) for layer in layers]
+    if any(s is None for s in scales):
+        return None
+    return [(float(s.k_scale), float(s.v_scale)) for s in scales]
 
 
 @dataclass
@@ -123,11 +141,12 @@ def ingot_request_kv(runner: Any, prompt_ids: list[int], tokens: list[int]) -> t
     finishes. Returns (KV, the sequence it holds): prompt + generated tokens[:-1], cut at the
     first token that left ``tokens`` (the context past it is no longer the reference's)."""
     kv_caches = runner.worker.kv_caches
+    scales = model_kv_scales(runner.model) if kv_caches[0].dtype == torch.float8_e4m3fn else None
 
     def snapshot(req_id: str, generated: list[int]) -> tuple[KV, list[int]]:
         seq = list(prompt_ids) + generated[:-1]
         blocks = runner.request_blocks(req_id)
-        return snapshot_request_kv(kv_caches, blocks, len(seq)), seq
+        return snapshot_request_kv(kv_caches, blocks, len(seq), scales), seq
 
     result = runner.generate(prompt_ids, len(tokens), stop_at=tokens, on_last_step=snapshot)
     if result.kv is None:

@@ -103,8 +103,10 @@ class PromptResult:
 
     @property
     def passed_two_way(self) -> bool:
-        return not self.nan and len(self.tokens) == len(self.reference_tokens) and all(
-            t.passed for t in self.tokens
+        return (
+            not self.nan
+            and len(self.tokens) == len(self.reference_tokens)
+            and all(t.passed for t in self.tokens)
         )
 
     @property
@@ -150,7 +152,9 @@ def check_token(
         target_token = int(tgt.argmax()) if not torch.isnan(tgt).any() else -1
     if torch.isnan(tgt).any():
         nan_stats = ErrorStats(math.nan, math.nan, math.nan)
-        res = TokenResult(index, phase, reference_token, target_token, TokenStatus.NAN, {}, False, nan_stats)
+        res = TokenResult(
+            index, phase, reference_token, target_token, TokenStatus.NAN, {}, False, nan_stats
+        )
         return res, torch.full_like(base, math.nan), None
 
     # Divergence check on the raw target logits: a flip is acceptable when the two candidates
@@ -202,7 +206,11 @@ def validate_prompt(
 ) -> PromptResult:
     """The teacher-forcing loop for one prompt over the T positions of ``baseline_logits``."""
     num = baseline_logits.shape[0]
-    ref = list(reference_tokens) if reference_tokens is not None else baseline_logits.argmax(-1).tolist()
+    ref = (
+        list(reference_tokens)
+        if reference_tokens is not None
+        else baseline_logits.argmax(-1).tolist()
+    )
     if len(ref) != num:
         raise ValueError(f"{len(ref)} reference tokens for {num} baseline logits rows")
     if expected_logits is not None and expected_logits.shape != baseline_logits.shape:
@@ -219,7 +227,9 @@ def validate_prompt(
         result.run_starts.append(start)
         n = logits.shape[0]
         if n == 0:
-            raise RuntimeError(f"generate_fn returned no logits for input of {len(input_ids)} tokens")
+            raise RuntimeError(
+                f"generate_fn returned no logits for input of {len(input_ids)} tokens"
+            )
         if tokens is None:
             tokens = logits.float().argmax(-1).tolist()
         end = min(start + n, num)
@@ -308,9 +318,9 @@ def aggregate(prompts: list[PromptResult], three_way: bool) -> ValidationResult:
         "worst_linf_ratio": worst_linf,
         "worst_l2_ratio": worst_l2,
         "ratio_limit": DIAGNOSTIC_RATIO,
-        "ratios_ok": None if worst_l2 is None else bool(
-            worst_l2 < DIAGNOSTIC_RATIO and worst_linf < DIAGNOSTIC_RATIO
-        ),
+        "ratios_ok": None
+        if worst_l2 is None
+        else bool(worst_l2 < DIAGNOSTIC_RATIO and worst_linf < DIAGNOSTIC_RATIO),
         "worst_target_linf_rel": max((t.target.linf_rel for t in tokens), default=None),
         "worst_target_l2_rel": max((t.target.l2_rel for t in tokens), default=None),
         "worst_topk": _worst_topk(tokens),

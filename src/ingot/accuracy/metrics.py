@@ -25,7 +25,9 @@ DEFAULT_TOLERANCE_MAP: dict[str, tuple[float, float]] = {
     "all": (1e-5, 0.05),
 }
 # An fp32 engine should agree with fp32 HF far better than bf16 noise (spec §2 test (a)).
-FP32_TOLERANCE_MAP: dict[str, tuple[float, float]] = {k: (1e-5, 1e-4) for k in DEFAULT_TOLERANCE_MAP}
+FP32_TOLERANCE_MAP: dict[str, tuple[float, float]] = {
+    k: (1e-5, 1e-4) for k in DEFAULT_TOLERANCE_MAP
+}
 
 MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
 
@@ -53,7 +55,7 @@ def linf_rel(reference: torch.Tensor, actual: torch.Tensor) -> float:
     ref, act = _f64(reference), _f64(actual)
     if ref.numel() == 0:
         return 0.0
-    return error_ratio(float((act - ref).abs().max()), float(ref.abs().max()))
+    return _relative(float((act - ref).abs().max()), float(ref.abs().max()))
 
 
 def l2_rel(reference: torch.Tensor, actual: torch.Tensor) -> float:
@@ -61,7 +63,18 @@ def l2_rel(reference: torch.Tensor, actual: torch.Tensor) -> float:
     ref, act = _f64(reference), _f64(actual)
     if ref.numel() == 0:
         return 0.0
-    return error_ratio(float(torch.linalg.vector_norm(act - ref)), float(torch.linalg.vector_norm(ref)))
+    return _relative(
+        float(torch.linalg.vector_norm(act - ref)), float(torch.linalg.vector_norm(ref))
+    )
+
+
+def _relative(error: float, scale: float) -> float:
+    """error / scale; no error is 0 whatever the scale, an error against a zero scale is inf."""
+    if math.isnan(error) or math.isnan(scale):
+        return math.nan
+    if error == 0.0:
+        return 0.0
+    return math.inf if scale == 0.0 else error / scale
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -90,7 +103,9 @@ def sigma_ratio(base_errors: torch.Tensor, target_errors: torch.Tensor) -> float
 
 
 def bhattacharyya(
-    base_errors: torch.Tensor | np.ndarray, target_errors: torch.Tensor | np.ndarray, bins: int = BC_BINS
+    base_errors: torch.Tensor | np.ndarray,
+    target_errors: torch.Tensor | np.ndarray,
+    bins: int = BC_BINS,
 ) -> float:
     """Bhattacharyya coefficient of the histograms of |base errors| and |target errors|.
 
@@ -169,7 +184,10 @@ def topk_errors(
     dropped first. Returns {k: {"error", "atol", "rtol", "passed"}}.
     """
     tol_map = tol_map or DEFAULT_TOLERANCE_MAP
-    act, exp = actual.detach().double().cpu().reshape(-1), expected.detach().double().cpu().reshape(-1)
+    act, exp = (
+        actual.detach().double().cpu().reshape(-1),
+        expected.detach().double().cpu().reshape(-1),
+    )
     keep = torch.isfinite(act) & torch.isfinite(exp)
     act, exp = act[keep], exp[keep]
     out: dict[str, dict[str, Any]] = {}
@@ -284,8 +302,10 @@ def module_gate(
     worst_l2 = max(r.l2_ratio for r in per_input)
     bc = bhattacharyya(base_err, tgt_err)
     sigma = sigma_ratio(base_err, tgt_err)
-    two_way = max(
-        allclose_error(t, b, 1e-2) for b, t in zip(baselines, targets, strict=True)
+    two_way = max(allclose_error(t, b, 1e-2) for b, t in zip(baselines, targets, strict=True))
+    passed = (
+        (bc >= bc_threshold or sigma <= 1.0)
+        and worst_linf < max_linf_ratio
+        and worst_l2 < max_l2_ratio
     )
-    passed = (bc >= bc_threshold or sigma <= 1.0) and worst_linf < max_linf_ratio and worst_l2 < max_l2_ratio
     return GateResult(bool(passed), bc, sigma, worst_linf, worst_l2, two_way)

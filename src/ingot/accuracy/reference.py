@@ -35,7 +35,9 @@ def load_hf_model(model: str | None, dtype: torch.dtype = torch.float32) -> nn.M
         hf = AutoModelForCausalLM.from_config(copy.deepcopy(gguf.config), dtype=dtype)
         # Tied embeddings are stored once; from_config already ties lm_head to embed_tokens.
         missing, unexpected = hf.load_state_dict(dict(gguf.weights(dtype)), strict=False)
-        missing = [m for m in missing if not (m == "lm_head.weight" and hf.config.tie_word_embeddings)]
+        missing = [
+            m for m in missing if not (m == "lm_head.weight" and hf.config.tie_word_embeddings)
+        ]
         if missing or unexpected:
             raise ValueError(
                 f"the GGUF weights do not fit the transformers model: missing {missing[:4]}, "
@@ -107,10 +109,14 @@ class HFReference:
         for _ in range(num_tokens + 1):
             logits = self.logits(prompt_ids + tokens[:-1])[len(prompt_ids) - 1 :]
             argmax = logits.argmax(-1).tolist()
-            mismatch = next((i for i, (a, t) in enumerate(zip(argmax, tokens, strict=True)) if a != t), None)
+            mismatch = next(
+                (i for i, (a, t) in enumerate(zip(argmax, tokens, strict=True)) if a != t), None
+            )
             if mismatch is None:
                 break
-            logger.debug("reference near-tie at token %d: regenerating from the full forward", mismatch)
+            logger.debug(
+                "reference near-tie at token %d: regenerating from the full forward", mismatch
+            )
             head = tokens[:mismatch] + [argmax[mismatch]]
             tokens = head + self._greedy(prompt_ids + head, num_tokens - len(head))
         expected = None
@@ -119,7 +125,9 @@ class HFReference:
         return ReferenceRun(list(prompt_ids), tokens, logits, expected)
 
     @torch.no_grad()
-    def kv_cache(self, token_ids: list[int], model: nn.Module | None = None) -> list[tuple[Any, Any]]:
+    def kv_cache(
+        self, token_ids: list[int], model: nn.Module | None = None
+    ) -> list[tuple[Any, Any]]:
         """Per layer (K, V) of one forward, each [S, num_kv_heads, head_dim] float32.
 
         HF's cache holds K after RoPE and the un-repeated GQA heads, as ingot's paged cache does.

@@ -101,7 +101,10 @@ class TensorReplacer:
         keep = pos < length
         if self.reference_tokens is not None:
             ids = input_ids[rows].tolist()
-            same = [self.reference_tokens.get(int(p)) == t for p, t in zip(pos.tolist(), ids, strict=True)]
+            same = [
+                self.reference_tokens.get(int(p)) == t
+                for p, t in zip(pos.tolist(), ids, strict=True)
+            ]
             keep &= torch.tensor(same, dtype=torch.bool, device=keep.device)
         if not bool(keep.all()) and not self._warned:
             logger.warning("tensor replacement: rows off the reference sequence are left alone")

@@ -59,7 +59,9 @@ def verdict_table(report: ValidateReport) -> str:
     )
     if v.mode == "three-way":
         lines.append(f"sigma-ratio {_f(v.sigma_ratio)} (<= 1.0: {_yes(crit.get('sigma'))})")
-        lines.append(f"BC min over indices {_f(v.bc_min, 4)} (>= {BC_GOOD}: {_yes(crit.get('bc'))})")
+        lines.append(
+            f"BC min over indices {_f(v.bc_min, 4)} (>= {BC_GOOD}: {_yes(crit.get('bc'))})"
+        )
     lines.append(f"triage: {v.triage}")
     if report.compare is not None:
         first = report.compare.first_failure
@@ -67,8 +69,9 @@ def verdict_table(report: ValidateReport) -> str:
             lines.append("tensor compare: every module within the L2-ratio threshold")
         else:
             detail = ", ".join(
-                f"{ph} l2 ratio {_f(c.l2_ratio)}" if c.l2_ratio is not None else f"{ph} l2 "
-                f"{_f(c.target.l2_rel) if c.target else 'shape mismatch'}"
+                f"{ph} l2 ratio {_f(c.l2_ratio)}"
+                if c.l2_ratio is not None
+                else f"{ph} l2 {_f(c.target.l2_rel) if c.target else 'shape mismatch'}"
                 for ph, c in first.phases.items()
                 if not c.passed
             )
@@ -98,7 +101,9 @@ def plot_errors(report: ValidateReport, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
     for i, p in enumerate(report.validation.prompts):
         idx = [t.index for t in p.tokens]
-        tgt = [max(t.target.l2_rel, 1e-12) if math.isfinite(t.target.l2_rel) else 1.0 for t in p.tokens]
+        tgt = [
+            max(t.target.l2_rel, 1e-12) if math.isfinite(t.target.l2_rel) else 1.0 for t in p.tokens
+        ]
         (line,) = ax.plot(idx, tgt, marker="o", markersize=3, label=f"prompt {i} ingot")
         base = [max(t.base.l2_rel, 1e-12) for t in p.tokens if t.base is not None]
         if len(base) == len(idx):

@@ -316,6 +316,7 @@ def _tensor_compare(
         if three_way:
             expected_dir = root / "hf_dtype"
             capture_hf(reference.expected, ref.sequence, expected_dir, modules, "hf_dtype")
+        runner.reset_prefix_cache()  # capture every prompt position, not just the uncached tail
         with capture_ingot(llm, root / "ingot", modules):
             runner.generate(ref.prompt_ids, len(ref.tokens), stop_at=ref.tokens)
         result = compare_captures(root / "hf_fp32", root / "ingot", expected_dir)

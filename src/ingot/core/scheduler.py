@@ -107,7 +107,10 @@ class Scheduler:
         admitted: list[NewRequestData] = []
         while self.holdback and self.can_schedule(len(admitted)):
             request = self.holdback.popleft()
-            request.num_computed_tokens = self.kv.admit(request.request_id, request.prompt_token_ids)
+            # A request that wants prompt logprobs needs logits at every prompt position, so it
+            # computes its whole prompt (its blocks are still published for others), as in vLLM.
+            lookup = request.prompt_token_ids if request.sampling_params.prompt_logprobs is None else ()
+            request.num_computed_tokens = self.kv.admit(request.request_id, lookup)
             request.num_cached_tokens = request.num_computed_tokens
             request.status = RequestStatus.RUNNING
             request.metrics.first_scheduled_time = time.time()
