@@ -140,12 +140,16 @@ def test_captures_align_name_for_name_with_hf(llm, ref_run, hf_capture, referenc
         assert torch.allclose(got, want, atol=1e-5)
 
 
-def test_replacement_restores_downstream_of_a_broken_module(tiny_llama_dir, ref_run, hf_capture, tmp_path):
+def test_replacement_restores_downstream_of_a_broken_module(
+    tiny_llama_dir, ref_run, hf_capture, tmp_path
+):
     llm = _llm(tiny_llama_dir)
     runner = IngotRunner(llm)
     with torch.no_grad():  # a bug confined to one module
         runner.model.model.layers[0].mlp.down_proj.weight.mul_(1.05)
-    broken = compare_captures(hf_capture, _capture_ingot(llm, ref_run, tmp_path / "broken"), max_l2_rel=FP32_MODULE_TOL)
+    broken = compare_captures(
+        hf_capture, _capture_ingot(llm, ref_run, tmp_path / "broken"), max_l2_rel=FP32_MODULE_TOL
+    )
     assert broken.first_failure.name == "model.layers.0.mlp.down_proj"
     assert not broken.module("model.norm").passed  # the error is inherited downstream
     assert broken.module("model.layers.0.self_attn").passed
@@ -180,7 +184,9 @@ def test_replacement_tells_origin_from_inheritance(tiny_llama_dir, ref_run, hf_c
     # fixes layer 0, but layer 1's attention still fails on clean inputs: its error originates
     # there, it is not inherited.
     llm = _llm(tiny_llama_dir, hf_overrides={"rope_theta": 500.0})
-    broken = compare_captures(hf_capture, _capture_ingot(llm, ref_run, tmp_path / "b"), max_l2_rel=FP32_MODULE_TOL)
+    broken = compare_captures(
+        hf_capture, _capture_ingot(llm, ref_run, tmp_path / "b"), max_l2_rel=FP32_MODULE_TOL
+    )
     assert broken.first_failure.name == "model.layers.0.self_attn.o_proj"
     assert broken.module("model.layers.0.self_attn.qkv_proj").passed  # RoPE comes after it
     with replace_modules(llm, hf_capture, ["model.layers.0.self_attn"]):

@@ -138,7 +138,9 @@ def test_remove_shift_subtracts_only_the_shift():
     assert torch.allclose(remove_shift(2 * e + 1.0, e), (2 * e).double())
     # a constant expected has no slope to fit: the means are aligned
     c = torch.full((3,), 7.0)
-    assert torch.allclose(remove_shift(torch.tensor([1.0, 2.0, 3.0]), c), torch.tensor([6.0, 7.0, 8.0]).double())
+    assert torch.allclose(
+        remove_shift(torch.tensor([1.0, 2.0, 3.0]), c), torch.tensor([6.0, 7.0, 8.0]).double()
+    )
 
 
 def test_ulp_tolerance():
@@ -284,7 +286,9 @@ def test_three_way_verdict_noise_passes_and_bug_fails():
         for i, b in enumerate(base_logits):
             target = _noisy(b, scale, 200 + i)
             results.append(
-                validate_prompt([1], lambda ids, n, t=target: (t[len(ids) - 1 :], None), b, None, expected[i])
+                validate_prompt(
+                    [1], lambda ids, n, t=target: (t[len(ids) - 1 :], None), b, None, expected[i]
+                )
             )
         return aggregate(results, three_way=True)
 
@@ -339,8 +343,14 @@ def test_glob_semantics():
         "model.layers.12.mlp",
     ]
     assert match_names(names, ["model.layers.*"]) == ["model.layers.0"]
-    assert match_names(names, ["model.layers.*.mlp"]) == ["model.layers.0.mlp", "model.layers.12.mlp"]
-    assert match_names(names, ["model.layers.0.**"]) == ["model.layers.0.mlp", "model.layers.0.mlp.down_proj"]
+    assert match_names(names, ["model.layers.*.mlp"]) == [
+        "model.layers.0.mlp",
+        "model.layers.12.mlp",
+    ]
+    assert match_names(names, ["model.layers.0.**"]) == [
+        "model.layers.0.mlp",
+        "model.layers.0.mlp.down_proj",
+    ]
     assert match_names(names, ["model.layers.1?.mlp"]) == ["model.layers.12.mlp"]
 
 
@@ -378,7 +388,13 @@ def test_compare_kv_rejects_shape_mismatch():
 
 # ---- tensor compare on hand-made captures -----------------------------------------------------
 
-MODULES = ["model.embed_tokens", "model.layers.0.mlp", "model.layers.0", "model.layers.1.mlp", "model.layers.1"]
+MODULES = [
+    "model.embed_tokens",
+    "model.layers.0.mlp",
+    "model.layers.0",
+    "model.layers.1.mlp",
+    "model.layers.1",
+]
 
 
 def _write_capture(root, source, steps, modules=MODULES):
@@ -398,7 +414,14 @@ def _write_capture(root, source, steps, modules=MODULES):
         }  # fmt: skip
         (root / d / "meta.json").write_text(json.dumps(meta))
         dirs.append(d)
-    index = {"format_version": 1, "source": source, "patterns": [], "modules": modules, "steps": dirs, "metadata": {}}
+    index = {
+        "format_version": 1,
+        "source": source,
+        "patterns": [],
+        "modules": modules,
+        "steps": dirs,
+        "metadata": {},
+    }
     (root / "index.json").write_text(json.dumps(index))
     return root
 

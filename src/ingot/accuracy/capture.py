@@ -138,9 +138,17 @@ def _hf_namespace(model: nn.Module) -> dict[str, list[str]]:
     return space
 
 
-def _ingot_canonical(module: nn.Module, output: Any) -> torch.Tensor:
+_LAYER_NAME = re.compile(r"(.*\.)?layers\.\d+")
+
+
+def is_decoder_layer(name: str, module: nn.Module) -> bool:
+    """ingot decoder layers return ``(hidden, residual)`` with the residual add deferred."""
+    return type(module).__name__.endswith("DecoderLayer") or bool(_LAYER_NAME.fullmatch(name))
+
+
+def _ingot_canonical(name: str, module: nn.Module, output: Any) -> torch.Tensor:
     if isinstance(output, tuple):
-        if type(module).__name__ == "DecoderLayer":
+        if is_decoder_layer(name, module):
             # ingot defers the residual add to the next norm; HF's layer output includes it.
             return output[0] + output[1]
         return output[0]
@@ -285,7 +293,7 @@ class TensorCapture:
             if self.flavor == "hf":
                 t = _hf_canonical(output)
             else:
-                t = _ingot_canonical(module, output)
+                t = _ingot_canonical(name, module, output)
                 if step.real_rows is not None and t.dim() >= 1 and t.shape[0] == step.num_padded:
                     t = t.index_select(0, step.real_rows.to(t.device))
             t = t.detach().clone()

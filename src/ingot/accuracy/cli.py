@@ -32,14 +32,16 @@ def add_validate_parser(sub: argparse._SubParsersAction, add_engine_args: Callab
         default=None,
         metavar="FILE",
         help='.jsonl of {"prompt": ...} / {"prompt_token_ids": [...]}, or a text '
-        "file with one prompt per line (default: a few built-in prompts)",
+        "file with one prompt per line (default: 16 built-in prompts; the sigma and BC "
+        "criteria need that many to be more than noise)",
     )
     p.add_argument(
         "--max-tokens",
         type=int,
         default=None,
         dest="validate_max_tokens",
-        help="generated tokens validated per prompt (default: 16)",
+        metavar="N",
+        help="generated tokens validated per prompt (default: 8)",
     )
     p.add_argument(
         "--report",

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ingot.accuracy.capture import Capture, load_capture, match_names
+from ingot.accuracy.capture import Capture, is_decoder_layer, load_capture, match_names
 
 logger = logging.getLogger("ingot")
 
@@ -124,7 +124,7 @@ class TensorReplacer:
             self.replaced_rows += int(rows.numel())
             if not isinstance(output, tuple):
                 return new_first
-            if type(module).__name__ == "DecoderLayer":
+            if is_decoder_layer(name, module):
                 residual = output[1].clone()
                 residual[rows] = 0  # the next norm adds residual + hidden: make it the reference
                 return (new_first, residual, *output[2:])

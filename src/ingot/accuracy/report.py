@@ -66,7 +66,7 @@ def verdict_table(report: ValidateReport) -> str:
     if report.compare is not None:
         first = report.compare.first_failure
         if first is None:
-            lines.append("tensor compare: every module within the L2-ratio threshold")
+            lines.append("tensor compare: every module within its threshold")
         else:
             detail = ", ".join(
                 f"{ph} l2 ratio {_f(c.l2_ratio)}"
@@ -91,33 +91,74 @@ def write_report(report: ValidateReport, out: Path) -> None:
 
 
 def plot_errors(report: ValidateReport, path: Path) -> None:
-    """Per-position relative L2 error of ingot (solid) and of HF-in-dtype (dashed) against
-    fp32, one colour per prompt; failing tokens marked with a cross."""
+    """Two panels over the generation index. Left: relative L2 error of the logits against
+    fp32, ingot per prompt (thin) and its mean (bold), HF in the engine dtype dashed; failing
+    tokens crossed. Right: the gating statistic per index (three-way: BC with its 0.99 line;
+    two-way: worst top-k error over its tolerance, 1 = the limit)."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display; must come before pyplot is imported
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
-    for i, p in enumerate(report.validation.prompts):
-        idx = [t.index for t in p.tokens]
-        tgt = [
-            max(t.target.l2_rel, 1e-12) if math.isfinite(t.target.l2_rel) else 1.0 for t in p.tokens
-        ]
-        (line,) = ax.plot(idx, tgt, marker="o", markersize=3, label=f"prompt {i} ingot")
-        base = [max(t.base.l2_rel, 1e-12) for t in p.tokens if t.base is not None]
-        if len(base) == len(idx):
-            ax.plot(idx, base, linestyle="--", color=line.get_color(), alpha=0.6)
+    v = report.validation
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=100)
+    longest = max((len(p.tokens) for p in v.prompts), default=0)
+    idx = list(range(longest))
+
+    def mean_at(values: list[list[float]]) -> list[float]:
+        out = []
+        for i in idx:
+            col = [row[i] for row in values if i < len(row) and math.isfinite(row[i])]
+            out.append(sum(col) / len(col) if col else math.nan)
+        return out
+
+    tgt_rows, base_rows = [], []
+    for p in v.prompts:
+        tgt = [t.target.l2_rel if math.isfinite(t.target.l2_rel) else 1.0 for t in p.tokens]
+        tgt_rows.append(tgt)
+        ax.plot([t.index for t in p.tokens], tgt, color="tab:blue", alpha=0.25, linewidth=0.8)
+        if all(t.base is not None for t in p.tokens):
+            base_rows.append([t.base.l2_rel for t in p.tokens])  # type: ignore[union-attr]
         bad = [(t.index, y) for t, y in zip(p.tokens, tgt, strict=True) if not t.passed]
         if bad:
-            ax.scatter(*zip(*bad, strict=True), marker="x", color="red", zorder=3)
+            ax.scatter(*zip(*bad, strict=True), marker="x", color="red", s=18, zorder=3)
+    ax.plot(idx, mean_at(tgt_rows), color="tab:blue", linewidth=2.2, label="ingot (mean)")
+    if base_rows:
+        ax.plot(
+            idx, mean_at(base_rows), color="tab:orange", linestyle="--", linewidth=2.2,
+            label=f"HF {report.dtype} (mean)",
+        )  # fmt: skip
+    ax.scatter([], [], marker="x", color="red", s=18, label="token fails static checks")
     ax.set_yscale("log")
     ax.set_xlabel("generation index")
-    ax.set_ylabel("relative L2 error of logits vs fp32")
-    status = "PASS" if report.passed else "FAIL"
-    ax.set_title(f"{Path(report.model).name} {report.dtype}: {status} (dashed: HF {report.dtype})")
+    ax.set_ylabel("relative L2 error of logits vs HF fp32")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
+    ax.legend(fontsize=8)
+
+    if v.mode == "three-way":
+        ax2.plot(idx[: len(v.bc_per_index)], v.bc_per_index, marker="o", color="tab:green")
+        ax2.axhline(BC_GOOD, color="red", linestyle=":", label=f"pass line {BC_GOOD}")
+        ax2.set_ylabel("BC of |errors| (ingot vs HF dtype), all prompts")
+        ax2.set_title(f"sigma-ratio {_f(v.sigma_ratio)}, BC min {_f(v.bc_min, 4)}", fontsize=10)
+    else:
+        worst = []
+        for i in idx:
+            ratios = [
+                r["error"] / r["rtol"]
+                for p in v.prompts
+                if i < len(p.tokens)
+                for r in p.tokens[i].topk.values()
+            ]
+            worst.append(max(ratios) if ratios else math.nan)
+        ax2.plot(idx, worst, marker="o", color="tab:green")
+        ax2.axhline(1.0, color="red", linestyle=":", label="tolerance")
+        ax2.set_ylabel("worst top-k error / tolerance")
+    ax2.set_xlabel("generation index")
+    ax2.grid(True, alpha=0.3)
+    ax2.legend(fontsize=8)
+    status = "PASS" if report.passed else "FAIL"
+    overrides = f", hf_overrides {report.hf_overrides}" if report.hf_overrides else ""
+    fig.suptitle(f"{Path(report.model).name} {report.dtype}{overrides}: {status}", fontsize=11)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -164,14 +205,16 @@ def _markdown(report: ValidateReport, plot_name: str) -> str:
             "",
             "## KV cache (prompt 0; informative, no pass/fail)",
             "",
-            "| layer | positions | K cos | V cos | K max abs | V max abs | K l2 | V l2 | K BC | V BC |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| layer | positions | K cos | V cos | K max abs | V max abs | K l2 | V l2 "
+            "| K l2 ratio | V l2 ratio | K BC | V BC |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for layer in report.kv:
             lines.append(
                 f"| {layer.layer} | {layer.positions} | {layer.k_cos:.6f} | {layer.v_cos:.6f} | "
                 f"{_f(layer.k_max_abs)} | {_f(layer.v_max_abs)} | {_f(layer.k_l2_rel)} | "
-                f"{_f(layer.v_l2_rel)} | {_f(layer.k_bc, 4)} | {_f(layer.v_bc, 4)} |"
+                f"{_f(layer.v_l2_rel)} | {_f(layer.k_l2_ratio)} | {_f(layer.v_l2_ratio)} | "
+                f"{_f(layer.k_bc, 4)} | {_f(layer.v_bc, 4)} |"
             )
     if report.compare is not None:
         c = report.compare

@@ -29,7 +29,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ingot.accuracy.capture import DEFAULT_PATTERNS, capture_hf, capture_ingot
-from ingot.accuracy.compare import CompareReport, compare_captures
+from ingot.accuracy.compare import MAX_L2_REL_TWO_WAY, CompareReport, compare_captures
 from ingot.accuracy.ingot_runner import IngotRunner
 from ingot.accuracy.kv_analysis import LayerKV, compare_kv, ingot_request_kv
 from ingot.accuracy.logit_validation import (
@@ -45,13 +45,30 @@ from ingot.config import EngineArgs
 
 logger = logging.getLogger("ingot")
 
+# Sixteen short, varied prompts. The sigma-ratio and BC criteria compare two noise
+# distributions, so they need a sample: with 4 prompts x 16 tokens the bf16 engine measured
+# sigma 1.07 / BC min 0.979 (fail), with these 16 prompts x 8 tokens sigma 0.99 / BC min 0.998
+# (pass); a real bug (wrong RoPE theta) gives sigma ~1.6 with any sample.
 DEFAULT_PROMPTS = (
     "The capital of France is",
     "def fibonacci(n):\n    ",
     "Once upon a time, in a small village by the sea, there lived",
     "List three colors: red,",
+    "Water boils at a temperature of",
+    "The quick brown fox",
+    "In 1969, the first humans",
+    "import numpy as np\n\ndef mean(xs):",
+    "Translate to French: I like cheese. ->",
+    "The three laws of motion are",
+    "My favourite recipe for pancakes starts with",
+    "Q: What is 12 times 12?\nA:",
+    "The mitochondria is",
+    "Dear customer, we regret to inform you that",
+    "SELECT name FROM users WHERE",
+    "The best way to learn a language is",
 )
-DEFAULT_MAX_TOKENS = 16
+DEFAULT_MAX_TOKENS = 8
+MAX_L2_REL_FP32 = 1e-4
 
 Prompt = str | list[int]
 
@@ -167,6 +184,7 @@ def run_validation(
     compare_modules: Sequence[str] = DEFAULT_PATTERNS,
     kv_analysis: bool = True,
     reference: HFReference | None = None,
+    references: Sequence[ReferenceRun] | None = None,
     llm: Any = None,
     n_ulps: int = 1,
     progress: bool = True,
@@ -174,7 +192,9 @@ def run_validation(
     """Validate ``engine_args`` against the checkpoint's HF reference; see the module doc.
 
     ``compare`` is ``"on-failure"``, ``"always"`` or ``"never"``. ``reference`` / ``llm`` may
-    be passed in to reuse loaded models (their configs must match ``engine_args``).
+    be passed in to reuse loaded models (their configs must match ``engine_args``), and
+    ``references`` to reuse the teacher data of an earlier run on the same prompts (they depend
+    on the checkpoint, prompts and token count only, never on the engine config).
     """
     if compare not in ("on-failure", "always", "never"):
         raise ValueError(f"compare must be on-failure, always or never, got {compare!r}")
@@ -190,13 +210,6 @@ def run_validation(
     model_config = llm.llm_engine.model_config
     dtype = model_config.dtype
     three_way = not two_way and dtype != torch.float32
-    if reference is None:
-        # The checkpoint path alone: the reference never sees --hf-overrides.
-        reference = HFReference.load(model_config.model, dtype if three_way else None)
-    if three_way and reference.expected is None:
-        raise ValueError("three-way validation needs an HF reference in the engine dtype")
-    timings["load"] = time.perf_counter() - t0
-
     prompt_list = list(prompts) if prompts else list(DEFAULT_PROMPTS)
     prompt_ids = _tokenize(llm, prompt_list)
     max_len = model_config.max_model_len
@@ -208,11 +221,25 @@ def run_validation(
                 "--max-model-len"
             )
 
+    if reference is None:
+        # The checkpoint path alone: the reference never sees --hf-overrides.
+        reference = HFReference.load(model_config.model, dtype if three_way else None)
+    if three_way and reference.expected is None:
+        raise ValueError("three-way validation needs an HF reference in the engine dtype")
+    timings["load"] = time.perf_counter() - t0
+
     t0 = time.perf_counter()
-    refs = [
-        reference.run(ids, max_tokens)
-        for ids in tqdm(prompt_ids, desc="HF reference", disable=not progress)
-    ]
+    if references is not None:
+        refs = list(references)
+        if [r.prompt_ids for r in refs] != prompt_ids or any(
+            len(r.tokens) != max_tokens or (three_way and r.expected_logits is None) for r in refs
+        ):
+            raise ValueError("the given references were made for other prompts or settings")
+    else:
+        refs = [
+            reference.run(ids, max_tokens)
+            for ids in tqdm(prompt_ids, desc="HF reference", disable=not progress)
+        ]
     timings["reference"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -319,7 +346,13 @@ def _tensor_compare(
         runner.reset_prefix_cache()  # capture every prompt position, not just the uncached tail
         with capture_ingot(llm, root / "ingot", modules):
             runner.generate(ref.prompt_ids, len(ref.tokens), stop_at=ref.tokens)
-        result = compare_captures(root / "hf_fp32", root / "ingot", expected_dir)
+        # Two-way module threshold: the static "full model" 1e-2 for half precision; an fp32
+        # engine agrees with fp32 HF to ~1e-6, so anything above 1e-4 there is a real change.
+        fp32 = runner.dtype == torch.float32
+        max_l2_rel = MAX_L2_REL_FP32 if fp32 else MAX_L2_REL_TWO_WAY
+        result = compare_captures(
+            root / "hf_fp32", root / "ingot", expected_dir, max_l2_rel=max_l2_rel
+        )
         if out is not None:
             result.write_json(root / "comparison.json")
             (root / "table.md").write_text(result.table() + "\n")

@@ -1,0 +1,137 @@
+"""`ingot validate` on the default model (SmolLM2-135M GGUF), each gate paired with a broken
+config that must fail: bf16 three-way passes, a wrong RoPE theta and a wrong RMSNorm eps fail
+(and tensor compare names where the error enters); fp32 two-way passes, the spec's own eps
+example (1e-6 instead of 1e-5, far below bf16 noise) fails there."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ingot.accuracy.reference import HFReference
+from ingot.accuracy.validate import run_validation
+from ingot.config import EngineArgs
+
+pytestmark = pytest.mark.slow
+
+MAX_MODEL_LEN = 512
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return HFReference.load(None, torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def passing(reference, tmp_path_factory):
+    out = tmp_path_factory.mktemp("validate-bf16")
+    report = run_validation(
+        EngineArgs(dtype="bfloat16", max_model_len=MAX_MODEL_LEN),
+        report_dir=out,
+        reference=reference,
+        progress=False,
+    )
+    return report
+
+
+def test_bf16_passes_three_way(passing):
+    v = passing.validation
+    assert passing.passed, (v.criteria, v.sigma_ratio, v.bc_per_index, v.triage)
+    assert v.mode == "three-way" and len(v.prompts) == 16
+    # Passing on the noise criterion, as it should for an engine as good as HF in bf16:
+    # every generation index has the error distribution of HF bf16.
+    assert v.criteria["bc"] and v.bc_min >= 0.99
+    assert 0.8 < v.sigma_ratio < 1.2
+    assert passing.compare is None  # compare runs on failure only
+    # KV cache (informative): ingot's bf16 cache is HF bf16's within bf16 rounding.
+    assert passing.kv is not None and len(passing.kv) == 30
+    assert all(layer.k_cos > 0.999 and layer.v_cos > 0.999 for layer in passing.kv)
+
+
+def test_report_files(passing):
+    out = passing.report_dir
+    data = json.loads((out / "validation.json").read_text())
+    assert data["passed"] is True and data["dtype"] == "bfloat16"
+    assert len(data["validation"]["prompts"]) == 16
+    assert data["validation"]["prompts"][0]["tokens"][0]["status"] in (
+        "matched",
+        "acceptable_divergence",
+    )
+    assert "# ingot validate: PASS" in (out / "summary.md").read_text()
+    assert (out / "logit_errors.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_rope_theta_override_fails_and_compare_names_layer0_attention(tmp_path):
+    """Through the real CLI. The reference must ignore --hf-overrides (the checkpoint's theta
+    is 100000), so ingot alone runs with theta 50000."""
+    out = tmp_path / "report"
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "ingot.entrypoints.cli", "--log-level", "warning", "validate",
+            "--hf-overrides", '{"rope_theta": 50000}', "--max-model-len", str(MAX_MODEL_LEN),
+            "--report", str(out),
+        ],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "VERDICT: FAIL" in proc.stdout
+    data = json.loads((out / "validation.json").read_text())
+    assert data["hf_overrides"] == {"rope_theta": 50000}
+    v = data["validation"]
+    assert v["passed"] is False and not any(v["criteria"].values())
+    assert v["sigma_ratio"] > 1.3 and v["bc_min"] < 0.99
+    first = data["first_diverging_module"]
+    assert first.startswith("model.layers.0.self_attn"), first
+    compare = json.loads((out / "tensor_compare" / "comparison.json").read_text())
+    assert compare["first_failure"] == first
+    layer0 = {m["name"]: m for m in compare["modules"]}
+    assert layer0["model.layers.0.input_layernorm"]["passed"]  # upstream of RoPE: clean
+    assert f"first diverging module: {first}" in proc.stdout
+
+
+def test_rms_norm_eps_override_fails(reference, passing, tmp_path):
+    # eps 1e-3 instead of 1e-5 (the spec's 1e-6 moves bf16 logits by 3e-4, 40x below the bf16
+    # noise: see the fp32 test below for where that one is caught).
+    report = run_validation(
+        EngineArgs(
+            dtype="bfloat16", max_model_len=MAX_MODEL_LEN, hf_overrides={"rms_norm_eps": 1e-3}
+        ),
+        report_dir=tmp_path,
+        reference=reference,
+        references=passing.references,
+        kv_analysis=False,
+        progress=False,
+    )
+    v = report.validation
+    assert not report.passed and not any(v.criteria.values())
+    assert v.sigma_ratio > 1.3 and v.bc_min < 0.99
+    assert report.first_diverging_module == "model.layers.0.input_layernorm"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "passes"),
+    [(None, True), ({"rms_norm_eps": 1e-6}, False)],
+    ids=["fp32", "eps-1e-6"],
+)
+def test_fp32_two_way(reference, passing, overrides, passes):
+    # fp32 noise is ~1e-6, so a few prompts are plenty here (the margins are 50x and 4x).
+    report = run_validation(
+        EngineArgs(dtype="float32", max_model_len=MAX_MODEL_LEN, hf_overrides=overrides),
+        prompts=passing.prompts[:6],
+        reference=HFReference(reference.baseline, None),
+        references=passing.references[:6],  # the same fp32 teacher data
+        kv_analysis=False,
+        compare="never",
+        progress=False,
+    )
+    v = report.validation
+    assert v.mode == "two-way"
+    assert report.passed is passes, v.diagnostics["worst_topk"]
+    if passes:
+        assert all(e < 1e-5 for e in v.diagnostics["worst_topk"].values())
+    else:
+        assert v.diagnostics["worst_topk"]["5"] > 2e-4  # tolerance 1e-4
