@@ -168,3 +168,28 @@ def test_profile_cycle_writes_a_chrome_trace(server, profile_dir):
         assert any(n in names for n in ("aten::linear", "aten::mm", "aten::addmm")), names
         assert "aten::embedding" in names
     assert traces[0].parent != traces[1].parent  # one directory per cycle
+
+
+def test_prefix_cache_metrics_and_reset_route(server):
+    """Same 40-token prompt twice: the second reuses 32 cached tokens (block 32 -> 1 block),
+    the metrics count it, and /reset_prefix_cache empties the cache."""
+    prompt = list(range(100, 140))  # inside the tiny vocabulary (259)
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+    before = server.metrics()
+    assert server.json("POST", "/v1/completions", body)[0] == 200
+    assert server.json("POST", "/v1/completions", body)[0] == 200
+    after = server.metrics()
+    queries = metric(after, "ingot:prefix_cache_queries_total") - metric(
+        before, "ingot:prefix_cache_queries_total"
+    )
+    hits = metric(after, "ingot:prefix_cache_hits_total") - metric(
+        before, "ingot:prefix_cache_hits_total"
+    )
+    assert (queries, hits) == (80, 32)
+    assert 0 < metric(after, "ingot:prefix_cache_hit_rate") <= 1
+    assert server.json("POST", "/reset_prefix_cache", {}) == (200, {"status": "reset"})
+    mid = server.metrics()
+    assert server.json("POST", "/v1/completions", body)[0] == 200
+    final = server.metrics()
+    hits_total = "ingot:prefix_cache_hits_total"
+    assert metric(final, hits_total) == metric(mid, hits_total)  # nothing left to hit

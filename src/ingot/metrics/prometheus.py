@@ -95,12 +95,25 @@ class EngineMetrics:
         self.compilation = Gauge(
             f"{PREFIX}compilation_time_seconds", "Graph compilation time", m, registry=r
         )
+        self.prefix_queries = Counter(
+            f"{PREFIX}prefix_cache_queries", "Prompt tokens looked up in the prefix cache", m,
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            f"{PREFIX}prefix_cache_hits", "Prompt tokens served from the prefix cache", m,
+            registry=r,
+        )
+        self.prefix_hit_rate = Gauge(
+            f"{PREFIX}prefix_cache_hit_rate", "Prefix cache hits / queries (tokens)", m, registry=r
+        )
+        self._prefix_seen = (0, 0)
         # Every child at zero from the start: a scraper sees the series (and rate() works)
         # before the first request, and a test can tell "zero" from "never exported".
         for metric in (
             self.running, self.waiting, self.kv_usage, self.kv_blocks_free, self.prompt_tokens,
             self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue_time, self.startup,
-            self.model_load, self.model_bytes, self.compilation,
+            self.model_load, self.model_bytes, self.compilation, self.prefix_queries,
+            self.prefix_hits, self.prefix_hit_rate,
         ):
             self.labels(metric)
         for reason in FINISH_REASONS:
@@ -154,6 +167,13 @@ class EngineMetrics:
         pool = engine.engine_core.kv_cache_manager.pool
         self.labels(self.kv_usage).set(pool.usage())
         self.labels(self.kv_blocks_free).set(pool.num_free_blocks)
+        stats = engine.engine_core.kv_cache_manager.stats
+        queries, hits = self._prefix_seen
+        if stats.queries > queries:
+            self.labels(self.prefix_queries).inc(stats.queries - queries)
+            self.labels(self.prefix_hits).inc(stats.hits - hits)
+            self._prefix_seen = (stats.queries, stats.hits)
+            self.labels(self.prefix_hit_rate).set(stats.hit_rate)
 
     def record_abort(self, engine: LLMEngine, request_id: str, num_seqs: int = 1) -> None:
         """An aborted request: one ``abort`` finish per sequence (as finished requests count one

@@ -401,6 +401,15 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: EngineMetrics
         await engine.call(engine.engine.start_profile)
         return {"status": "profiling"}
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        if not await engine.call(engine.engine.reset_prefix_cache):
+            raise HTTPError(
+                409, "the prefix cache is in use by running requests; retry when they finish",
+                "invalid_request_error",
+            )
+        return JSONResponse({"status": "reset"})
+
     @app.post("/stop_profile")
     async def stop_profile() -> dict[str, Any]:
         trace = await engine.call(engine.engine.stop_profile)
