@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ingot.core.buckets import BucketGrid
-from ingot.core.kv_cache_manager import BlockPool
+from ingot.core.kv_cache_manager import BlockPool, PrefixCacheStats
 from ingot.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ingot.metrics.prometheus import (
     SEQS_PADDING_BUCKETS,
@@ -39,11 +39,14 @@ def _samples(metrics: EngineMetrics) -> dict:
     return out
 
 
-def _engine(stats: BucketStats, pool: BlockPool, running: int = 0, waiting: int = 0):
+def _engine(
+    stats: BucketStats, pool: BlockPool, running: int = 0, waiting: int = 0,
+    prefix: PrefixCacheStats | None = None,
+):
     return SimpleNamespace(
         scheduler=SimpleNamespace(num_running=running, num_waiting=waiting),
         engine_core=SimpleNamespace(
-            kv_cache_manager=SimpleNamespace(pool=pool),
+            kv_cache_manager=SimpleNamespace(pool=pool, stats=prefix or PrefixCacheStats()),
             executor=SimpleNamespace(worker=SimpleNamespace(model_runner=SimpleNamespace(
                 stats=stats))),
         ),
@@ -172,3 +175,19 @@ def test_n2_finish_and_abort_count_per_sequence():
     assert s[("ingot:request_success_total", (("finished_reason", "abort"),))] == 2
     assert s[("ingot:generation_tokens_total", ())] == 5
     assert s[("ingot:kv_cache_free_blocks", ())] == 10
+
+
+def test_prefix_cache_counters_follow_the_kv_manager():
+    m = EngineMetrics("m")
+    stats = BucketStats()
+    prefix = PrefixCacheStats()
+    engine = _engine(stats, BlockPool(8), prefix=prefix)
+    m.record_gauges(engine)
+    prefix.queries, prefix.hits = 100, 64
+    m.record_gauges(engine)
+    prefix.queries, prefix.hits = 150, 96
+    m.record_gauges(engine)
+    text = generate_latest(m.registry).decode()
+    assert 'ingot:prefix_cache_queries_total{model_name="m"} 150.0' in text
+    assert 'ingot:prefix_cache_hits_total{model_name="m"} 96.0' in text
+    assert 'ingot:prefix_cache_hit_rate{model_name="m"} 0.64' in text
