@@ -129,3 +129,12 @@ def test_bucketing_off_keeps_actual_counts():
     sched.add_request(make_request(0, 50, 2))
     (item,) = step(sched).scheduled
     assert item.num_tokens_padded == 50
+
+
+def test_token_ids_between_matches_all_token_ids():
+    req = make_request(0, 5, 10)
+    req.prompt_token_ids = [1, 2, 3, 4, 5]
+    req.output_token_ids = [6, 7, 8]
+    for start in range(9):
+        for end in range(start, 9):
+            assert req.token_ids_between(start, end) == req.all_token_ids[start:end]

@@ -159,15 +159,10 @@ def _generate_fn(runner: IngotRunner, prompt_ids: list[int], reference: list[int
 
 
 def _tokenize(llm: Any, prompts: Sequence[Prompt]) -> list[list[int]]:
-    tokenizer = llm.get_tokenizer()
+    """Token ids exactly as the engine would encode each prompt (text or ids)."""
     out = []
     for p in prompts:
-        if isinstance(p, str):
-            if tokenizer is None:
-                raise ValueError("text prompts need a tokenizer; give prompt_token_ids in a .jsonl")
-            ids = tokenizer.encode(p, add_special_tokens=True)  # as ingot encodes text prompts
-        else:
-            ids = list(p)
+        _, ids = llm.llm_engine.tokenize_prompt(p)
         if not ids:
             raise ValueError(f"prompt {p!r} has no tokens")
         out.append(ids)

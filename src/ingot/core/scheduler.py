@@ -127,7 +127,7 @@ class Scheduler:
         blocks = self.kv.allocate_slots(request.request_id, start + n)  # actual tokens only
         return ScheduledRequest(
             req_id=request.request_id,
-            token_ids=request.all_token_ids[start : start + n],
+            token_ids=request.token_ids_between(start, start + n),
             start_position=start,
             block_ids=list(blocks),
             sample=start + n == request.num_tokens,

@@ -99,7 +99,7 @@ class LLMEngine:
         return ids
 
     # ---- input processing ----------------------------------------------------------------
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; pass token ids instead")
@@ -110,7 +110,7 @@ class LLMEngine:
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
-                return self._tokenize(prompt["prompt"])
+                return self.tokenize_prompt(prompt["prompt"])
             raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, list | tuple):
             return None, list(prompt)
@@ -141,7 +141,7 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, token_ids = self._tokenize(prompt)
+        text, token_ids = self.tokenize_prompt(prompt)
         self._validate_prompt(token_ids)
         if params.prompt_logprobs is not None and len(token_ids) < 1:
             raise ValueError("prompt_logprobs needs a prompt")

@@ -45,6 +45,13 @@ class _StreamState:
     prompt_tokens: int = 0
     completion_tokens: int = 0
 
+    def advance(self, cs: _ChoiceState, c: CompletionOutput) -> None:
+        """Mark everything of ``c`` as sent."""
+        self.completion_tokens += max(len(c.token_ids) - cs.num_tokens, 0)
+        cs.text_len = len(c.text)
+        cs.num_tokens = len(c.token_ids)
+        cs.finished = c.finish_reason is not None
+
 
 def check_prompt_fits(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:
     # Checked before the sampling parameters are built: the default max_tokens is the room the
@@ -277,10 +284,7 @@ class OpenAIServing:
                         "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason,
                     }
-                    cs.text_len = len(c.text)
-                    cs.num_tokens = len(c.token_ids)
-                    state.completion_tokens += max(new_tokens, 0)
-                    cs.finished = c.finish_reason is not None
+                    state.advance(cs, c)
                     chunk = {
                         "id": request_id, "object": "text_completion", "created": created,
                         "model": self.served_model_name, "choices": [chunk_choice],
@@ -410,10 +414,7 @@ class OpenAIServing:
                         "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason,
                     }
-                    cs.text_len = len(c.text)
-                    cs.num_tokens = len(c.token_ids)
-                    state.completion_tokens += max(new_tokens, 0)
-                    cs.finished = c.finish_reason is not None
+                    state.advance(cs, c)
                     yield chunk([choice], usage=include_usage and continuous)
         if include_usage:
             yield chunk([], usage=True)
