@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ingot-installed
 PYTEST_ARGS ?=
 
-.PHONY: run test install lint clean
+.PHONY: run test install lint clean compare
 
 $(PY):
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -38,6 +38,15 @@ test: install
 
 lint: install
 	$(VENV)/bin/ruff check .
+
+# `make compare`: ingot against vLLM's CPU backend (the peer, installed by
+# ../shared/bench/vllm_peer.sh) on the shared workloads; rewrites the comparison section of
+# docs/PERFORMANCE.md and docs/throughput_vs_batch.png. Takes many minutes; narrow it with e.g.
+# `make compare COMPARE_ARGS="--workloads single,prefill"`, or `COMPARE_ARGS=--dry-run`.
+COMPARE_ARGS ?=
+
+compare: install
+	$(PY) bench/compare.py $(COMPARE_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -24,6 +24,26 @@ def prompts_for(n: int, input_len: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(100, 40000) for _ in range(input_len)] for _ in range(n)]
 
 
+# The batch-size sweep (`ingot bench sweep`, bench/peer_sweep.py for the peer): B requests of
+# 128 prompt tokens and SWEEP_OUTPUT_LEN new tokens, all submitted at once, for each B. 64 new
+# tokens (not 128) keep one engine's sweep near a minute on 2 cores, so compare.py can run
+# ingot plus the peer at two thread settings in a few minutes; decode still dominates the time.
+SWEEP_BATCH_SIZES: tuple[int, ...] = (1, 4, 16, 64)
+SWEEP_INPUT_LEN = 128
+SWEEP_OUTPUT_LEN = 64
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    """``"1,4,16,64"`` -> [1, 4, 16, 64]; every size must be a positive integer."""
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--batch-sizes must be a comma list of integers, got {text!r}") from None
+    if not sizes or any(b < 1 for b in sizes):
+        raise ValueError(f"--batch-sizes must be positive integers, got {text!r}")
+    return sizes
+
+
 def result_line(name: str, n: int, inp: int, out: int, seconds: float, generated: int) -> str:
     return (
         f"RESULT workload={name} engine=ingot requests={n} input_len={inp} output_len={out} "
@@ -32,12 +52,29 @@ def result_line(name: str, n: int, inp: int, out: int, seconds: float, generated
     )
 
 
-def run_workloads(engine_args: EngineArgs, names: list[str], progress: bool = True) -> list[str]:
+def run_workloads(
+    engine_args: EngineArgs,
+    names: list[str],
+    progress: bool = True,
+    batch_sizes: list[int] | None = None,
+    sweep_output_len: int = SWEEP_OUTPUT_LEN,
+) -> list[str]:
+    """Run the named workloads on one engine; ``sweep`` runs one batch per ``batch_sizes``
+    entry and prints ``RESULT workload=sweep requests=B ...`` for each."""
     from ingot import LLM, SamplingParams
 
-    unknown = [n for n in names if n not in WORKLOADS]
+    unknown = [n for n in names if n not in WORKLOADS and n != "sweep"]
     if unknown:
-        raise ValueError(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}")
+        raise ValueError(
+            f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}, sweep, serve"
+        )
+    runs: list[tuple[str, int, int, int]] = []
+    for name in names:
+        if name == "sweep":
+            sizes = batch_sizes or list(SWEEP_BATCH_SIZES)
+            runs += [("sweep", b, SWEEP_INPUT_LEN, sweep_output_len) for b in sizes]
+        else:
+            runs.append((name, *WORKLOADS[name]))
     lines = []
     start = time.perf_counter()
     kwargs: dict[str, Any] = {k: v for k, v in vars(engine_args).items() if k != "model"}
@@ -45,8 +82,7 @@ def run_workloads(engine_args: EngineArgs, names: list[str], progress: bool = Tr
     lines.append(f"RESULT workload=startup engine=ingot time_s={time.perf_counter() - start:.2f}")
     print(lines[-1], flush=True)
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=4))
-    for name in names:
-        n, inp, out = WORKLOADS[name]
+    for name, n, inp, out in runs:
         prompts = [{"prompt_token_ids": p} for p in prompts_for(n, inp)]
         params = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
         t = time.perf_counter()

@@ -207,10 +207,18 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def cmd_bench(ns: argparse.Namespace) -> int:
-    from ingot.benchmarks.workloads import run_workloads
+    from ingot.benchmarks.workloads import parse_batch_sizes, run_workloads
 
+    if ns.workload == "serve":  # a client of a running server: no engine in this process
+        from ingot.benchmarks.serve import run_serve_bench
+
+        run_serve_bench(ns.base_url, ns.concurrency, ns.num_requests, ns.input_len,
+                        ns.output_len, ns.model, ns.engine_label, vocab_size=ns.vocab_size)
+        return 0
     names = ns.workload.split(",") if ns.workload != "all" else ["offline", "single", "prefill"]
-    run_workloads(engine_args_from(ns), names, progress=not ns.no_progress)
+    run_workloads(engine_args_from(ns), names, progress=not ns.no_progress,
+                  batch_sizes=parse_batch_sizes(ns.batch_sizes),
+                  sweep_output_len=ns.sweep_output_len)
     return 0
 
 
@@ -249,10 +257,30 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat, max_tokens=256)
 
     bench = sub.add_parser(
-        "bench", help="run the shared benchmark workloads (offline, single, prefill)"
+        "bench", help="run the shared benchmark workloads (offline, single, prefill, sweep), "
+        "or load a running server (serve)"
     )
-    bench.add_argument("workload", help="offline | single | prefill | a comma list | all")
+    bench.add_argument("workload", help="offline | single | prefill | sweep | a comma list | "
+                       "all | serve")
     bench.add_argument("--no-progress", action="store_true")
+    from ingot.benchmarks.workloads import SWEEP_OUTPUT_LEN
+
+    sw = bench.add_argument_group("sweep")
+    sw.add_argument("--batch-sizes", default="1,4,16,64",
+                    help="batch sizes of the sweep workload (default: %(default)s)")
+    sw.add_argument("--sweep-output-len", type=int, default=SWEEP_OUTPUT_LEN,
+                    help="new tokens per request in the sweep (default: %(default)s)")
+    sv = bench.add_argument_group("serve (client of a running server; --model is the "
+                                  "served model name, default: the server's first)")
+    sv.add_argument("--base-url", default="http://127.0.0.1:8000")
+    sv.add_argument("--concurrency", type=int, default=4, help="(default: %(default)s)")
+    sv.add_argument("--num-requests", type=int, default=16, help="(default: %(default)s)")
+    sv.add_argument("--input-len", type=int, default=128, help="(default: %(default)s)")
+    sv.add_argument("--output-len", type=int, default=128, help="(default: %(default)s)")
+    sv.add_argument("--engine-label", default="ingot",
+                    help="engine= field of the RESULT line (default: %(default)s)")
+    sv.add_argument("--vocab-size", type=int, default=None,
+                    help="take prompt ids modulo this (for vocabularies under 40000)")
     add_engine_args(bench)
     # The peer script's settings, so both engines do identical work.
     bench.set_defaults(func=cmd_bench, dtype="bfloat16", max_model_len=2048, max_num_seqs=64,

