@@ -104,6 +104,18 @@ class SchedulerConfig:
 
 
 @dataclass
+class CompilationConfig:
+    """Whether and how the decoder layers are compiled (torch.compile, one graph per bucket)."""
+
+    enabled: bool = False
+    enable_fx_passes: bool = True
+    #: Root of the compile cache (None: $INGOT_CACHE_ROOT, else ~/.cache/ingot).
+    cache_root: str | None = None
+    #: Hit-only (a miss raises CompileCacheMissError); None: $INGOT_DISABLE_WARMUP_COMPILE=1.
+    hit_only: bool | None = None
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -111,6 +123,7 @@ class EngineConfig:
     device: str
     additional_config: dict[str, Any]
     buckets: BucketGrid
+    compilation: CompilationConfig = field(default_factory=CompilationConfig)
 
 
 def resolve_model_path(model: str | None) -> tuple[str, str]:
@@ -191,6 +204,13 @@ class EngineArgs:
     hf_overrides: dict[str, Any] | str | None = None
     additional_config: dict[str, Any] | str | None = None
     served_model_name: str | None = None
+    # vLLM's flag: never compile, run every step eagerly.
+    enforce_eager: bool = False
+    # None = the platform default (on for CUDA, off for CPU, where compiled decode measured no
+    # faster than eager; see docs/features.md); True/False force it.
+    compile: bool | None = None
+    enable_fx_passes: bool = True
+    cache_dir: str | None = None  # compile cache root (default $INGOT_CACHE_ROOT, ~/.cache/ingot)
 
     @staticmethod
     def _json_arg(name: str, value: dict[str, Any] | str | None) -> dict[str, Any]:
@@ -273,6 +293,10 @@ class EngineArgs:
         from ingot.worker.profiler import ProfilerConfig
 
         ProfilerConfig.from_dict(additional_config.get("profiler"))  # validate now
+        buckets = BucketGrid.from_config(
+            additional_config, max_batched, self.max_num_seqs, max_model_len, self.block_size
+        )
+        compilation = self._compilation_config(platform.name, buckets)
         model_config = ModelConfig(
             model=path,
             format=fmt,
@@ -304,9 +328,30 @@ class EngineArgs:
             ),
             device=platform.name,
             additional_config=additional_config,
-            buckets=BucketGrid.from_config(
-                additional_config, max_batched, self.max_num_seqs, max_model_len, self.block_size
-            ),
+            buckets=buckets,
+            compilation=compilation,
+        )
+
+    def _compilation_config(self, platform_name: str, buckets: BucketGrid) -> CompilationConfig:
+        if self.compile is not None and not isinstance(self.compile, bool):
+            raise ValueError(f"compile must be true, false or None, got {self.compile!r}")
+        if self.enforce_eager and self.compile:
+            raise ValueError("enforce_eager and compile=True contradict each other; drop one")
+        enabled = not self.enforce_eager and (
+            self.compile if self.compile is not None else platform_name == "cuda"
+        )
+        if enabled and not buckets.enabled:
+            if self.compile:
+                raise ValueError(
+                    "compilation needs static shapes: enable_bucketing must be on (or pass "
+                    "--enforce-eager)"
+                )
+            logger.info("bucketing is off: running eagerly (compiled graphs need fixed shapes)")
+            enabled = False
+        return CompilationConfig(
+            enabled=enabled,
+            enable_fx_passes=bool(self.enable_fx_passes),
+            cache_root=self.cache_dir,
         )
 
     @classmethod

@@ -227,6 +227,7 @@ class LLMEngine:
             "prefix_cache_hits": kv.stats.hits,
             "prefix_cache_hit_rate": kv.stats.hit_rate,
             "buckets": runner_stats,
+            "compilation": self.engine_core.executor.worker.compile_stats(),
         }
 
     def get_num_unfinished_requests(self) -> int:

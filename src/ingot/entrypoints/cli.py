@@ -1,4 +1,4 @@
-"""`ingot` command line: serve | generate | chat | convert | validate.
+"""`ingot` command line: serve | generate | chat | bench | compile | convert | validate.
 
 Engine flags use vLLM's names. Errors a user can cause print one ``error:`` line, no traceback.
 """
@@ -56,6 +56,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hf-overrides", default=None, help="JSON object applied to the HF config")
     g.add_argument("--additional-config", default=None, help="JSON object of ingot options")
     g.add_argument("--served-model-name", default=None)
+    c = parser.add_argument_group("compilation")
+    c.add_argument("--enforce-eager", action="store_true",
+                   help="never compile; run every step eagerly")
+    c.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the decoder layers per bucket (default: on for CUDA, off for "
+                   "CPU)")
+    c.add_argument("--enable-fx-passes", action=argparse.BooleanOptionalAction,
+                   default=d.enable_fx_passes, help="run ingot's FX passes before Inductor")
+    c.add_argument("--cache-dir", default=None,
+                   help="compile cache root (default: $INGOT_CACHE_ROOT, else ~/.cache/ingot)")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -206,6 +216,26 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     )
 
 
+def cmd_compile(ns: argparse.Namespace) -> int:
+    """Compile every bucket of the grid into the cache, without serving."""
+    from ingot.worker.worker import Worker
+
+    if ns.enforce_eager:
+        raise ValueError("ingot compile compiles the bucket grid; --enforce-eager would skip "
+                         "exactly that, drop it")
+    if ns.model_tag is not None:
+        if ns.model is not None and ns.model != ns.model_tag:
+            raise ValueError("give the model either as the positional MODEL or as --model, not both")
+        ns.model = ns.model_tag
+    ns.compile = True
+    config = engine_args_from(ns).create_engine_config()
+    config.compilation.hit_only = False  # filling the cache is the point, whatever the env says
+    worker = Worker(config)
+    assert worker.compiler is not None and worker.compiler.summary is not None
+    print(f"{worker.compiler.summary.line()}; cache {worker.compiler.cache.dir}")
+    return 0
+
+
 def cmd_bench(ns: argparse.Namespace) -> int:
     from ingot.benchmarks.workloads import parse_batch_sizes, run_workloads
 
@@ -285,6 +315,14 @@ def build_parser() -> argparse.ArgumentParser:
     # The peer script's settings, so both engines do identical work.
     bench.set_defaults(func=cmd_bench, dtype="bfloat16", max_model_len=2048, max_num_seqs=64,
                        max_num_batched_tokens=2048)
+
+    comp = sub.add_parser(
+        "compile", help="compile every bucket of the grid into the compile cache, then exit"
+    )
+    comp.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                      help="model path (same as --model)")
+    add_engine_args(comp)
+    comp.set_defaults(func=cmd_compile)
 
     conv = sub.add_parser("convert", help="convert a GGUF file into a Hugging Face directory")
     conv.add_argument("gguf", help="input .gguf file")

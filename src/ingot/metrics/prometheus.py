@@ -107,13 +107,21 @@ class EngineMetrics:
             f"{PREFIX}prefix_cache_hit_rate", "Prefix cache hits / queries (tokens)", m, registry=r
         )
         self._prefix_seen = (0, 0)
+        # Real Inductor compiles (start-up warmup included): must not move while serving.
+        self.compilations = Counter(
+            f"{PREFIX}compilations", "Graphs compiled (compile cache misses)", m, registry=r
+        )
+        self.compile_cache_hits = Counter(
+            f"{PREFIX}compile_cache_hits", "Graphs loaded from the compile cache", m, registry=r
+        )
+        self._compile_seen = (0, 0)
         # Every child at zero from the start: a scraper sees the series (and rate() works)
         # before the first request, and a test can tell "zero" from "never exported".
         for metric in (
             self.running, self.waiting, self.kv_usage, self.kv_blocks_free, self.prompt_tokens,
             self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue_time, self.startup,
             self.model_load, self.model_bytes, self.compilation, self.prefix_queries,
-            self.prefix_hits, self.prefix_hit_rate,
+            self.prefix_hits, self.prefix_hit_rate, self.compilations, self.compile_cache_hits,
         ):
             self.labels(metric)
         for reason in FINISH_REASONS:
@@ -174,6 +182,15 @@ class EngineMetrics:
             self.labels(self.prefix_hits).inc(stats.hits - hits)
             self._prefix_seen = (stats.queries, stats.hits)
             self.labels(self.prefix_hit_rate).set(stats.hit_rate)
+        worker = engine.engine_core.executor.worker
+        compile_stats = worker.compile_stats() if hasattr(worker, "compile_stats") else {}
+        compiled, hits = compile_stats.get("compilations", 0), compile_stats.get("cache_hits", 0)
+        seen_compiled, seen_hits = self._compile_seen
+        if compiled > seen_compiled:
+            self.labels(self.compilations).inc(compiled - seen_compiled)
+        if hits > seen_hits:
+            self.labels(self.compile_cache_hits).inc(hits - seen_hits)
+        self._compile_seen = (max(compiled, seen_compiled), max(hits, seen_hits))
 
     def record_abort(self, engine: LLMEngine, request_id: str, num_seqs: int = 1) -> None:
         """An aborted request: one ``abort`` finish per sequence (as finished requests count one

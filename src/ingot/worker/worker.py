@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -167,6 +168,33 @@ class Worker:
         if dtype == torch.float8_e4m3fn:
             self._set_fp8_scales()
         self.model_runner = ModelRunner(config, self.model, self.kv_caches, self.device)
+        # Compile every bucket before the engine reports ready (nothing compiles while serving).
+        self.compile_seconds = 0.0
+        self.compiler = None
+        if config.compilation.enabled:
+            from ingot.compilation.model_compiler import ModelCompiler
+
+            self.compiler = ModelCompiler(config, self.model_runner)
+            self.compile_seconds = self.compiler.compile_and_warmup().seconds
+
+    def compile_stats(self) -> dict[str, Any]:
+        """Compilation counters (plain numbers; all zero when running eagerly)."""
+        if self.compiler is None:
+            return {"enabled": False, "graphs": 0, "compilations": 0, "cache_hits": 0,
+                    "backend_calls": 0, "calls_after_warmup": 0, "compilations_after_warmup": 0,
+                    "compile_seconds": 0.0}
+        s = self.compiler.backend.stats
+        return {
+            "enabled": True,
+            "graphs": len(self.compiler.shapes),
+            "compilations": s.compilations,
+            "cache_hits": s.cache_hits,
+            "backend_calls": s.backend_calls,
+            "calls_after_warmup": s.calls_after_warmup,
+            "compilations_after_warmup": s.compilations_after_warmup,
+            "compile_seconds": s.total_compile_seconds,
+            "compile_seconds_per_bucket": dict(s.compile_seconds),
+        }
 
     def _set_fp8_scales(self) -> None:
         """Per-layer FP8 scales: from the checkpoint, else calibrated once now, else 1.0."""

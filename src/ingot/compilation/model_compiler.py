@@ -1,0 +1,353 @@
+"""Regional compilation of the decoder layers, the bucket warmup, and the persistent cache.
+
+* **Compile unit:** one decoder layer's forward. All layers run the same code on tensors of the
+  same shapes, and Dynamo lifts their weights as graph inputs, so the N layers share one compiled
+  graph per bucket (the backend is called once per bucket, not once per layer). Embedding, final
+  norm, logits and sampler stay eager.
+* **Shapes:** every bucket dimension is specialised (no automatic dynamic shapes); only the KV
+  cache's block count is dynamic, because it follows the memory budget and would otherwise make
+  the graphs (and the cache) differ from one start to the next.
+* **Warmup:** runs the model once per distinct bucket shape through ``ModelRunner.prepare_inputs``
+  itself (so the warmup sees exactly the inputs serving will), before the engine reports ready.
+* **Persistence:** Inductor's own FX graph and AOTAutograd caches live under
+  ``$INGOT_CACHE_ROOT/inductor``. On top, one :class:`CompileCache` entry per (model, grid,
+  toolchain) key holds ``torch.compiler.save_cache_artifacts()`` (the portable "mega-cache") plus
+  the CPU kernel binaries that the mega-cache does not carry (on CPU it holds the C++ sources
+  only, so a fresh host would rebuild every kernel). A hit loads both, and the warmup is then
+  served from Inductor's caches: zero compilations.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ingot.compilation.backend import IngotBackend
+from ingot.compilation.cache import CompileCache
+from ingot.compilation.cache_key import compute_cache_key
+
+if TYPE_CHECKING:
+    from ingot.config import EngineConfig
+    from ingot.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("ingot")
+
+MEGA_CACHE_FILE = "torch_cache_artifacts.bin"
+KERNELS_DIR = "kernels"
+MANIFEST_FILE = "manifest.json"
+
+
+@dataclass(frozen=True)
+class WarmupShape:
+    """One distinct compiled shape: a prefill of ``num_tokens`` or a decode batch of
+    ``num_reqs``, reading ``width`` blocks per request."""
+
+    kind: str  # "prefill" | "decode"
+    num_tokens: int
+    num_reqs: int
+    width: int
+    start_position: int = 0  # of each request's (first) token
+    num_real: int = 1  # real (unpadded) tokens of a prefill
+
+    @property
+    def label(self) -> str:
+        if self.kind == "prefill":
+            return f"prefill_t{self.num_tokens}_w{self.width}"
+        return f"decode_b{self.num_reqs}_w{self.width}"
+
+    @property
+    def signature(self) -> tuple[int, int, int]:
+        return (self.num_tokens, self.num_reqs, self.width)
+
+
+@dataclass
+class WarmupSummary:
+    graphs: int
+    compiled: int
+    cache_hits: int
+    compile_seconds: float
+    seconds: float
+    cache_result: str  # "hit" | "built" | "remote" | "off"
+    key: str
+
+    def line(self) -> str:
+        return (f"compile warmup: {self.graphs} graphs, {self.cache_hits} hits, "
+                f"{self.compiled} misses (compiled), compile cache {self.cache_result} "
+                f"(key {self.key[:12]}), {self.seconds:.1f} s")
+
+
+def warmup_shapes(config: EngineConfig) -> list[WarmupShape]:
+    """Every distinct shape ``ModelRunner.prepare_inputs`` can produce, in a stable order."""
+    from ingot.core.kv_cache_manager import cdiv
+
+    grid = config.buckets
+    bs = config.cache_config.block_size
+    ctx = [*(grid.decode_context_length_buckets or ()), grid.max_model_len]
+    # A prefill continues at start > 0 only after a prefix-cache hit or a chunked prefill; its
+    # block table then spans a context bucket instead of the chunk itself.
+    continuations = (config.cache_config.enable_prefix_caching
+                     or config.scheduler_config.enable_chunked_prefill)
+    shapes: list[WarmupShape] = []
+    seen: set[tuple[int, int, int]] = set()
+
+    def add(shape: WarmupShape) -> None:
+        if shape.signature not in seen:
+            seen.add(shape.signature)
+            shapes.append(shape)
+
+    prev = 0
+    for p in grid.num_batched_tokens_buckets:
+        add(WarmupShape("prefill", p, 1, cdiv(p, bs), num_real=p))
+        if continuations:
+            for c in ctx:
+                # A chunk padded to p has more than `prev` tokens and starts at >= 1, so it
+                # reaches context bucket c only if prev + 2 <= c.
+                if prev + 2 <= c:
+                    n = min(p, c - 1)
+                    add(WarmupShape("prefill", p, 1, cdiv(c, bs), start_position=c - n,
+                                    num_real=n))
+        prev = p
+    for b in grid.num_seqs_buckets:
+        for c in ctx:
+            add(WarmupShape("decode", b, b, cdiv(c, bs), start_position=c - 1))
+    return shapes
+
+
+def _scheduler_output(shape: WarmupShape) -> Any:
+    """A SchedulerOutput of dummy requests with this shape, all blocks the null block."""
+    from ingot.core.kv_cache_manager import NULL_BLOCK_ID
+    from ingot.core.sched_output import ScheduledRequest, SchedulerOutput
+
+    blocks = [NULL_BLOCK_ID] * shape.width
+    if shape.kind == "prefill":
+        items = [ScheduledRequest("warmup-0", [0] * shape.num_real, shape.start_position, blocks, False, True,
+                                  num_tokens_padded=shape.num_tokens)]
+    else:
+        items = [ScheduledRequest(f"warmup-{i}", [0], shape.start_position, blocks, False, False)
+                 for i in range(shape.num_reqs)]
+    return SchedulerOutput(items)
+
+
+def _source_digest() -> str:
+    """Digest of the code that defines the compiled graphs (model layers, passes, backend)."""
+    import ingot
+
+    root = Path(ingot.__file__).parent
+    h = hashlib.sha256()
+    for sub in ("model_executor/layers", "model_executor/models", "compilation"):
+        for path in sorted((root / sub).rglob("*.py")):
+            h.update(path.relative_to(root).as_posix().encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def grid_cache_key(config: EngineConfig, shapes: list[WarmupShape], backend: IngotBackend) -> str:
+    """The compile cache key of a whole warmup: model, dtypes, grid, code, options, platform."""
+    hf = config.model_config.hf_config
+    hf_doc = hf.to_json_string() if hasattr(hf, "to_json_string") else repr(hf)
+    document = json.dumps({
+        "hf_config": hf_doc,
+        "dtype": str(config.model_config.dtype),
+        "kv_cache_dtype": config.cache_config.kv_cache_dtype,
+        "block_size": config.cache_config.block_size,
+        "shapes": [s.label for s in shapes],
+        "source": _source_digest(),
+    }, sort_keys=True)
+    options = {"enable_fx_passes": backend.enable_fx_passes, "dynamic": False,
+               "unit": "decoder_layer", "lowering": "inductor"}
+    platform = config.device
+    if config.device == "cuda" and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        platform = f"cuda:sm{major}{minor}"
+    return compute_cache_key(document, [], options, platform, {"tensor_parallel_size": 1})
+
+
+def _run_layer(layer: torch.nn.Module, positions: torch.Tensor, hidden: torch.Tensor,
+               residual: torch.Tensor, kv_cache: torch.Tensor, meta: Any) -> Any:
+    return type(layer).forward(layer, positions, hidden, residual, kv_cache, meta)
+
+
+def _fresh_function(fn: types.FunctionType) -> types.FunctionType:
+    # Dynamo keeps compiled code on the code object; a copy per engine keeps engines in one
+    # process (tests, benchmarks) from sharing, or evicting, each other's graphs.
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
+
+
+def _configure_dynamo(num_shapes: int) -> None:
+    import torch._dynamo.config as dynamo_config
+
+    # Each bucket is one cache entry of the layer function; the default limit (8) would make
+    # Dynamo fall back to eager for the rest of a large grid.
+    dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, num_shapes + 8)
+    dynamo_config.accumulated_cache_size_limit = max(
+        dynamo_config.accumulated_cache_size_limit, 4 * (num_shapes + 8))
+    # Never turn a bucket dimension dynamic after seeing two buckets: graphs stay specialised.
+    dynamo_config.automatic_dynamic_shapes = False
+
+
+def configure_inductor_cache(cache_root: Path) -> Path:
+    """Point Inductor's on-disk caches (FX graph, AOTAutograd, kernels) under ``cache_root``."""
+    import torch._inductor.config as inductor_config
+
+    inductor_dir = cache_root / "inductor"
+    inductor_dir.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_dir)
+    inductor_config.fx_graph_cache = True
+    return inductor_dir
+
+
+def _kernel_files(inductor_dir: Path, since: float) -> list[Path]:
+    """The compiled C++ kernels the graphs of this process load (the mega-cache lacks them)."""
+    from torch._inductor import codecache
+
+    found: set[Path] = set()
+    for name in ("CppPythonBindingsCodeCache", "CppCodeCache", "CppWrapperCodeCache"):
+        for key in getattr(getattr(codecache, name, None), "cache", {}) or {}:
+            if isinstance(key, str) and len(key) > 3:
+                found.update((inductor_dir / key[1:3]).glob(f"{key}*"))
+    # Whatever else was built during this warmup (in case the code caches above change).
+    found.update(p for p in inductor_dir.glob("*/*.so") if p.stat().st_mtime >= since)
+    return sorted(p for p in found if p.is_file())
+
+
+def export_artifacts(entry: Path, inductor_dir: Path, since: float) -> None:
+    """Write the portable artifacts of everything compiled so far into ``entry``."""
+    saved = torch.compiler.save_cache_artifacts()
+    if saved is not None:
+        (entry / MEGA_CACHE_FILE).write_bytes(saved[0])
+    kernels = _kernel_files(inductor_dir, since)
+    for path in kernels:
+        dest = entry / KERNELS_DIR / path.relative_to(inductor_dir)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, dest)
+    (entry / MANIFEST_FILE).write_text(json.dumps({
+        "torch": torch.__version__, "mega_cache": saved is not None, "kernels": len(kernels)}))
+
+
+def import_artifacts(entry: Path, inductor_dir: Path) -> None:
+    """Load an entry into this process's Inductor caches."""
+    mega = entry / MEGA_CACHE_FILE
+    if mega.exists():
+        torch.compiler.load_cache_artifacts(mega.read_bytes())
+    kernels = entry / KERNELS_DIR
+    if kernels.is_dir():
+        for path in kernels.rglob("*"):
+            dest = inductor_dir / path.relative_to(kernels)
+            if path.is_file() and not dest.exists():
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+                shutil.copy2(path, tmp)
+                os.replace(tmp, dest)  # atomic: a concurrent loader never sees half a .so
+
+
+class ModelCompiler:
+    """Compiles a worker's model for every bucket of the grid, through the compile cache.
+
+    Args:
+        config: the engine config (its ``compilation`` part says where the cache is).
+        runner: the worker's model runner (its model is compiled in place).
+        progress: show a tqdm bar (stderr) while warming up.
+    """
+
+    def __init__(self, config: EngineConfig, runner: ModelRunner, progress: bool = True) -> None:
+        cc = config.compilation
+        if not config.buckets.enabled:
+            raise ValueError("compilation needs static shapes: enable_bucketing must be on "
+                             "(or pass --enforce-eager)")
+        self.config = config
+        self.runner = runner
+        self.progress = progress
+        self.cache = CompileCache(root=cc.cache_root, hit_only=cc.hit_only)
+        self.inductor_dir = configure_inductor_cache(self.cache.dir.parent)
+        self.backend = IngotBackend(runner.device.type, cc.enable_fx_passes,
+                                    hit_only=self.cache.hit_only)
+        self.shapes = warmup_shapes(config)
+        self.key = grid_cache_key(config, self.shapes, self.backend)
+        self.summary: WarmupSummary | None = None
+        _configure_dynamo(len(self.shapes))
+        self._install()
+
+    def _install(self) -> None:
+        layers = self.runner.model.model.layers
+        compiled = torch.compile(_fresh_function(_run_layer), backend=self.backend,
+                                 fullgraph=True, dynamic=None)
+        for layer in layers:
+            def forward(positions: torch.Tensor, hidden: torch.Tensor,
+                        residual: torch.Tensor | None, kv_cache: torch.Tensor, meta: Any,
+                        _layer: torch.nn.Module = layer) -> Any:
+                if residual is None:
+                    # The first layer gets residual = 0 (x + 0 == x exactly), so it runs the
+                    # same graph as every other layer instead of a second one.
+                    residual = torch.zeros_like(hidden)
+                return compiled(_layer, positions, hidden, residual, kv_cache, meta)
+
+            layer.forward = forward
+        for kv_cache in self.runner.kv_caches:
+            # The block count follows the memory budget: keep it out of the graphs and keys.
+            torch._dynamo.mark_dynamic(kv_cache, 1)
+
+    @torch.inference_mode()
+    def _warmup(self) -> None:
+        from tqdm import tqdm
+
+        runner = self.runner
+        bar = tqdm(self.shapes, desc="compiling buckets", unit="graph", disable=not self.progress,
+                   leave=False)
+        for shape in bar:
+            bar.set_postfix_str(shape.label)
+            self.backend.label = shape.label
+            input_ids, positions, meta, _ = runner.prepare_inputs(_scheduler_output(shape))
+            runner.model(input_ids, positions, runner.kv_caches, meta)
+        bar.close()
+        self.backend.label = "serving"
+        # The warmup wrote K/V of its dummy tokens into the null block: clear it again, and
+        # forget the dummy steps in the bucket counters.
+        for kv_cache in runner.kv_caches:
+            kv_cache[:, 0].zero_()
+        from ingot.metrics.stats import BucketStats
+
+        runner.stats = BucketStats.for_grid(self.config.buckets)
+
+    def compile_and_warmup(self) -> WarmupSummary:
+        """Compile (or load) every bucket's graph; returns the one-line summary's figures."""
+        start = time.perf_counter()
+        built = False
+
+        def build(entry: Path) -> None:
+            nonlocal built
+            since = time.time() - 1
+            self._warmup()
+            built = True
+            export_artifacts(entry, self.inductor_dir, since)
+
+        def load(entry: Path) -> str:
+            if not built:
+                import_artifacts(entry, self.inductor_dir)
+            return "built" if built else "hit"
+
+        stats_before = self.cache.stats.remote_hits
+        result = self.cache.get_or_create(self.key, build, load, label="grid")
+        if self.cache.stats.remote_hits > stats_before:
+            result = "remote"
+        if not built:
+            self._warmup()
+        self.backend.warmed_up = True
+        s = self.backend.stats
+        self.summary = WarmupSummary(
+            graphs=len(self.shapes), compiled=s.compilations, cache_hits=s.cache_hits,
+            compile_seconds=s.total_compile_seconds, seconds=time.perf_counter() - start,
+            cache_result=result, key=self.key)
+        logger.info("%s", self.summary.line())
+        for label, seconds in s.compile_seconds.items():
+            logger.debug("compile seconds %s: %.2f", label, seconds)
+        return self.summary
