@@ -418,7 +418,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--log-dir", type=Path, default=None)
     ap.add_argument("--dry-run", action="store_true",
                     help="run nothing: fake RESULT lines through the parsing, report and plot")
+    ap.add_argument("--from-json", type=Path, default=None,
+                    help="run nothing: rewrite the report from an earlier run's results.json")
+    ap.add_argument("--note", action="append", default=[],
+                    help="a line for the report's notes (repeatable)")
     args = ap.parse_args(argv)
+    if args.from_json:
+        return report_from_json(args.from_json, args.output or ROOT / "docs" / "PERFORMANCE.md",
+                                args.note)
 
     workloads = [w for w in args.workloads.split(",") if w]
     unknown = [w for w in workloads if w not in WORKLOADS]
@@ -431,7 +438,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                              else ROOT / "docs" / "PERFORMANCE.md")
     runner: Runner = fake_runner if args.dry_run else subprocess_runner
     commands: list[str] = []
-    notes: list[str] = []
+    notes: list[str] = list(args.note)
+    load_start = _loadavg()
     if not args.dry_run:
         if not peer_ready(args.peer_python):
             print(f"error: the peer venv ({args.peer_python}) cannot import vllm yet; "
@@ -470,22 +478,53 @@ def main(argv: Sequence[str] | None = None) -> int:
                 notes.append(f"`{line}` exited with {rc} (log: {log})")
                 print(f"  exited with {rc}; log: {log}", flush=True)
 
-    per_setting = {s: summarize_setting([r for r in runs if r.setting == s])
-                   for s in dict.fromkeys(r.setting for r in runs)}
-    (log_dir / "results.json").write_text(json.dumps(
-        {"runs": [asdict(r) for r in runs], "membw": membw, "summary": per_setting},
-        indent=1, default=str))
-    plot_path = output.parent / "throughput_vs_batch.png"
-    has_plot = plot_sweep(per_setting, plot_path)
+    if load_start is not None:
+        # The machine is shared: say how busy it was, since that moves every figure.
+        notes.append(f"1-minute load average {load_start:.1f} at the start, {_loadavg():.1f} at "
+                     f"the end ({os.cpu_count()} cores).")
     if args.dry_run:
         notes.append("DRY RUN: every figure above is fake.")
-    section = render_section(per_setting, machine_info(), commands, membw,
-                             _dt.date.today().isoformat(),
+    (log_dir / "results.json").write_text(json.dumps(
+        {"runs": [asdict(r) for r in runs], "membw": membw, "commands": commands,
+         "notes": notes, "date": _dt.date.today().isoformat()}, indent=1, default=str))
+    write_report(runs, membw, commands, notes, output, _dt.date.today().isoformat())
+    print(f"logs in {log_dir}")
+    return 0
+
+
+def _loadavg() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def write_report(runs: Sequence[Run], membw: Mapping[str, Any] | None, commands: Sequence[str],
+                 notes: Sequence[str], output: Path, date: str) -> None:
+    """Splice the comparison section into ``output`` and draw the sweep plot beside it."""
+    per_setting = {s: summarize_setting([r for r in runs if r.setting == s])
+                   for s in dict.fromkeys(r.setting for r in runs)}
+    plot_path = output.parent / "throughput_vs_batch.png"
+    has_plot = plot_sweep(per_setting, plot_path)
+    section = render_section(per_setting, machine_info(), commands, membw, date,
                              plot_path.name if has_plot else None, notes)
     doc = output.read_text() if output.exists() else "# Performance\n"
     output.write_text(splice_section(doc, section))
     print(section)
-    print(f"wrote {output}" + (f" and {plot_path}" if has_plot else "") + f"; logs in {log_dir}")
+    print(f"wrote {output}" + (f" and {plot_path}" if has_plot else ""))
+
+
+def report_from_json(path: Path, output: Path, extra_notes: Sequence[str] = ()) -> int:
+    """Rewrite the report from a saved results.json (older files lack commands and notes:
+    the commands are then the runs' own, in order)."""
+    data = json.loads(path.read_text())
+    runs = [Run(**r) for r in data["runs"]]
+    membw = data.get("membw")
+    commands = data.get("commands") or (
+        ([".venv/bin/python bench/membw.py"] if membw else []) + [r.command for r in runs])
+    notes = [*data.get("notes", []), *extra_notes]
+    date = data.get("date") or _dt.date.fromtimestamp(path.stat().st_mtime).isoformat()
+    write_report(runs, membw, commands, notes, output, date)
     return 0
 
 

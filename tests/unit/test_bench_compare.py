@@ -124,6 +124,14 @@ def test_dry_run_writes_report_and_plot(tmp_path):
     text = out.read_text()
     assert "DRY RUN" in text and "| single (1 x 128 -> 128) |" in text
     assert (tmp_path / "throughput_vs_batch.png").stat().st_size > 1000
+    # The saved results rewrite the same report, with an added note, without running anything.
+    again = tmp_path / "again" / "PERF.md"
+    again.parent.mkdir()
+    assert compare.main(["--from-json", str(tmp_path / "results.json"), "--output", str(again),
+                         "--note", "rewritten"]) == 0
+    rewritten = again.read_text()
+    assert "Note: rewritten" in rewritten
+    assert rewritten.replace("Note: rewritten\n", "") == text
 
 
 def test_decode_weight_bytes():
