@@ -131,7 +131,7 @@ def test_dry_run_writes_report_and_plot(tmp_path):
                          "--note", "rewritten"]) == 0
     rewritten = again.read_text()
     assert "Note: rewritten" in rewritten
-    assert rewritten.replace("Note: rewritten\n", "") == text
+    assert rewritten.replace("\nNote: rewritten\n", "") == text
 
 
 def test_decode_weight_bytes():
