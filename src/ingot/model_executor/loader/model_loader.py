@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterator
 
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 from ingot.config import ModelConfig
+from ingot.model_executor.layers.linear import cpu_packed_linear_supported, pack_linear_weights
 from ingot.model_executor.models.registry import resolve_model_class
 
 logger = logging.getLogger("ingot")
@@ -45,6 +47,10 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         for name, t in iter_checkpoint(model_config)
     )
     model.eval()
+    if cpu_packed_linear_supported(model_config.dtype, device) and not os.environ.get(
+        "INGOT_DISABLE_PACKED_LINEAR"
+    ):
+        pack_linear_weights(model)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     logger.info(
         "loaded %s (%s, %.1f MB) in %.2fs",

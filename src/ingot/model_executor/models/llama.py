@@ -167,10 +167,11 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.sliding_window = window
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size)
         if self.tie_word_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size)
+            # One shared parameter (named_parameters reports it once, as the embedding), so the
+            # head is an ordinary linear layer that can be packed like the others.
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def _biases(self, config: Any) -> tuple[bool, bool]:
         """(bias on q/k/v, bias on o_proj)."""
@@ -190,8 +191,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors; returns the set of parameter names that were filled."""
@@ -203,7 +203,7 @@ class LlamaForCausalLM(nn.Module):
             if name.endswith((".k_scale", ".v_scale")):
                 self._load_kv_scale(name, tensor)
                 continue
-            if name == "lm_head.weight" and self.lm_head is None:
+            if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # tied: the embedding is the head
             for ckpt_part, fused_part, shard_id in self.stacked_params:
                 if ckpt_part in name:
