@@ -90,7 +90,10 @@ def main() -> None:
         if ns.model:
             cmd += ["--model", ns.model]
         env = {k: v for k, v in os.environ.items() if k != "INGOT_DISABLE_WARMUP_COMPILE"}
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode:
+            sys.exit(f"{mode} run failed:\n{proc.stderr[-4000:]}")
+        out = proc.stdout
         line = next(ln for ln in out.splitlines() if ln.startswith("RESULT "))
         results.append(json.loads(line[len("RESULT "):]))
         print(line, flush=True)

@@ -279,6 +279,11 @@ class ModelCompiler:
 
     def _install(self) -> None:
         layers = self.runner.model.model.layers
+        for module in layers.modules():
+            if getattr(module, "packed_weight", None) is not None:
+                # Dynamo cannot trace oneDNN's opaque pre-packed weights: compiled layers use
+                # the plain weight (the eager head and embedding keep their packing).
+                module.packed_weight = None
         compiled = torch.compile(_fresh_function(_run_layer), backend=self.backend,
                                  fullgraph=True, dynamic=None)
         for layer in layers:
