@@ -95,3 +95,44 @@ def test_default_model_fp8_logprobs_stay_within_tolerance():
     ])
     assert diffs.mean().item() < FP8_MEAN_LOGPROB_TOL, diffs.mean()
     assert diffs.max().item() < FP8_MAX_LOGPROB_TOL, diffs.max()
+
+
+def _teacher_forced_agreement(llm, prompt_ids, continuations):
+    """Fraction of continuation positions where the engine's greedy choice is (or ties with) the
+    reference token, fed the reference prefix each time (so one flip does not derail the rest)."""
+    probe = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": p + c} for p, c in zip(prompt_ids, continuations, strict=True)], probe)
+    hits = total = 0
+    for p, c, o in zip(prompt_ids, continuations, outs, strict=True):
+        for j, token in enumerate(c):
+            entry = o.prompt_logprobs[len(p) + j]  # the target and the top-1 token
+            hits += entry[token].logprob >= max(e.logprob for e in entry.values())  # ties agree
+            total += 1
+    return hits / total
+
+
+@pytest.mark.slow
+def test_default_model_fp8_greedy_agreement_and_a_broken_scale_fails():
+    """Issue #6's agreement gate, measured teacher-forced (see docs/features.md for why: whole
+    32-token continuations of this 135M model are not even stable between fp32 and bf16
+    weights, 10/16, so a count of identical continuations measures near-ties, not the cache).
+    The FP8 cache must pick the bf16-cache greedy token at >= 90% of positions (measured 97.7%;
+    bf16 vs fp32 weights: 98.4%); the same engine with wrong scales must fall below."""
+    from ingot.accuracy.validate import DEFAULT_PROMPTS
+
+    kw = dict(max_model_len=512, max_num_seqs=16, enable_prefix_caching=False)
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    ref = LLM(**kw)
+    outs = ref.generate(list(DEFAULT_PROMPTS), greedy)
+    prompt_ids = [list(o.prompt_token_ids) for o in outs]
+    continuations = [list(o.outputs[0].token_ids) for o in outs]
+    del ref
+
+    fp8 = LLM(kv_cache_dtype="fp8", **kw)
+    assert _teacher_forced_agreement(fp8, prompt_ids, continuations) >= 0.90
+
+    # Broken: scales 10000x too large round most K/V to zero or e4m3 subnormals.
+    for layer in fp8.llm_engine.engine_core.executor.worker.model.model.layers:
+        layer.self_attn.kv_scales.k_scale *= 10000
+        layer.self_attn.kv_scales.v_scale *= 10000
+    assert _teacher_forced_agreement(fp8, prompt_ids, continuations) < 0.90
