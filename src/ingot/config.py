@@ -206,8 +206,8 @@ class EngineArgs:
     served_model_name: str | None = None
     # vLLM's flag: never compile, run every step eagerly.
     enforce_eager: bool = False
-    # None = the platform default (on for CUDA, off for CPU, where compiled decode measured no
-    # faster than eager; see docs/features.md); True/False force it.
+    # None = the platform default (on for CUDA; off for CPU, where the cold compile costs
+    # tens of seconds at start-up; see bench/compile_vs_eager.py); True/False force it.
     compile: bool | None = None
     enable_fx_passes: bool = True
     cache_dir: str | None = None  # compile cache root (default $INGOT_CACHE_ROOT, ~/.cache/ingot)
