@@ -45,7 +45,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
     engines = {
-        "off": LLM(max_model_len=8192, dtype=args.dtype, max_num_seqs=args.batch),
+        "off": LLM(
+            max_model_len=8192,
+            dtype=args.dtype,
+            max_num_seqs=args.batch,
+            additional_config={"decode_context_length_buckets": None},  # the default is on
+        ),
         "on": LLM(
             max_model_len=8192,
             dtype=args.dtype,

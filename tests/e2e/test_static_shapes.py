@@ -47,6 +47,10 @@ def test_decode_batch_pads_with_null_rows(tiny_llama_dir):
     assert input_ids.shape == (4,) and last_rows == [0, 1, 2]
     assert meta.slot_mapping.tolist()[3] == -1
     assert meta.block_table[3].eq(0).all()  # the dummy row reads only the null block
+    # Default context ladder [256]: positions up to 23 read 256 // 16 blocks, not max_model_len's.
+    assert meta.block_table.shape[1] == 256 // 16
+    off = _llm(tiny_llama_dir, additional_config={"decode_context_length_buckets": None})
+    _, _, meta, _ = _runner(off).prepare_inputs(SchedulerOutput(items))
     assert meta.block_table.shape[1] == 512 // 16  # context bucketing off: max_model_len wide
 
 

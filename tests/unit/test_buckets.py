@@ -79,7 +79,14 @@ def test_grid_from_additional_config():
     assert grid.num_seqs_buckets == (2, 8)
     assert grid.decode_bucket(1) == 2 and grid.decode_bucket(3) == 8
     assert grid.num_batched_tokens_buckets == (128, 256, 512, 1024, 2048)
-    assert "decode context buckets off" in grid.describe()
+    # Unset: the default ladder (powers of two from 256 below max_model_len); null: off.
+    assert grid.decode_context_length_buckets == (256, 512, 1024, 2048)
+    assert grid.decode_ctx_bucket(129) == 256 and grid.decode_ctx_bucket(2049) == 4096
+    no_ctx = BucketGrid.from_config({"decode_context_length_buckets": None}, 2048, 8, 4096, 32)
+    assert "decode context buckets off" in no_ctx.describe()
+    assert no_ctx.decode_ctx_bucket(10) == 4096
+    small = BucketGrid.from_config({}, 256, 8, 256, 32)
+    assert small.decode_context_length_buckets is None  # nothing below max_model_len
     off = BucketGrid.from_config({"enable_bucketing": False}, 2048, 8, 4096, 32)
     assert off.decode_bucket(3) == 3 and off.prefill_bucket(77) == 77
     with pytest.raises(ValueError, match="num_batched_tokens_buckets must end exactly"):

@@ -22,7 +22,7 @@ from ingot.metrics.stats import BucketStats
 
 
 def _stats(ctx: list[int] | None = None) -> BucketStats:
-    config = {} if ctx is None else {"decode_context_length_buckets": ctx}
+    config = {"decode_context_length_buckets": ctx}  # None: context bucketing off
     grid = BucketGrid.from_config(config, max_num_batched_tokens=512, max_num_seqs=8,
                                   max_model_len=512, block_size=32)
     return BucketStats.for_grid(grid)
@@ -103,7 +103,7 @@ def test_children_exist_at_zero_before_traffic():
                  "ingot:num_requests_running", "ingot:kv_cache_usage_perc",
                  "ingot:startup_time_seconds", "ingot:model_load_size_bytes"):
         assert s[(name, ())] == 0, name
-    # No context buckets configured: no _ctx children.
+    # Context bucketing off: no _ctx children.
     assert not any("_ctx" in dict(labels).get("bucket_name", "") for _, labels in s)
 
 
