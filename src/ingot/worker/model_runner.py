@@ -178,6 +178,10 @@ class ModelRunner:
             slots.to(self.device),
             table.to(self.device),
             block_size=bs,
+            # Eager only: under compilation the flag would split a prefill bucket in two graphs.
+            causal=so.is_prefill
+            and so.scheduled[0].start_position == 0
+            and not self.config.compilation.enabled,
         )
         return input_ids.to(self.device), positions.to(self.device), meta, sample_rows
 

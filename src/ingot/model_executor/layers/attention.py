@@ -36,6 +36,10 @@ class AttentionMetadata:
     attn_mask: torch.Tensor | None = None
     write_slots: torch.Tensor | None = None  # slot_mapping with -1 pointed at slot 0
     write_valid: torch.Tensor | None = None  # [T, 1, 1] bool, slot_mapping >= 0
+    # One request prefilled from position 0: key index == position, so SDPA's own causal mask
+    # is exact for the real rows (padded rows, whose outputs are dropped, may see unwritten
+    # slots) and lets the kernel skip the blocks above the diagonal.
+    causal: bool = False
 
     @classmethod
     def build(
@@ -45,8 +49,10 @@ class AttentionMetadata:
         slot_mapping: torch.Tensor,
         block_table: torch.Tensor,
         block_size: int | None = None,
+        causal: bool = False,
     ) -> AttentionMetadata:
-        """Derive the grid layout from per-request query lengths (host side, O(T))."""
+        """Derive the grid layout from per-request query lengths (host side, O(T)). ``causal``:
+        a single request whose query starts at position 0 (see the field)."""
         device = positions.device
         num_reqs = len(query_lens)
         max_q = max(query_lens) if query_lens else 1
@@ -60,8 +66,9 @@ class AttentionMetadata:
         grid_positions = torch.zeros(num_reqs * max_q, dtype=torch.int64, device=device)
         grid_positions[token_to_grid] = positions[:total].to(torch.int64)
         grid_positions = grid_positions.view(num_reqs, max_q)
+        causal = causal and num_reqs == 1 and total == max_q
         attn_mask = None
-        if block_size is not None:
+        if block_size is not None and not causal:
             key_pos = torch.arange(block_table.shape[1] * block_size, device=device)
             attn_mask = key_pos <= grid_positions.unsqueeze(-1)
         return cls(
@@ -77,6 +84,7 @@ class AttentionMetadata:
             attn_mask=attn_mask,
             write_slots=slot_mapping.clamp(min=0),
             write_valid=(slot_mapping >= 0).view(-1, 1, 1),
+            causal=causal,
         )
 
 
@@ -184,6 +192,10 @@ def paged_attention(
     k = dequantize_kv(k, k_scale, query.dtype).transpose(1, 2)
     v = dequantize_kv(v, v_scale, query.dtype).transpose(1, 2)
 
+    gqa = num_heads != num_kv_heads
+    if meta.causal and identity and sliding_window is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        return out.transpose(1, 2).reshape(num_reqs * max_q, num_heads * head_dim)
     mask = meta.attn_mask
     if mask is None or sliding_window is not None:
         key_pos = torch.arange(ctx_len, device=query.device)
@@ -192,7 +204,7 @@ def paged_attention(
         if sliding_window is not None:
             mask &= key_pos > qpos - sliding_window
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=num_heads != num_kv_heads
+        q, k, v, attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=gqa
     )
     out = out.transpose(1, 2).reshape(num_reqs * max_q, num_heads * head_dim)
     if identity:
