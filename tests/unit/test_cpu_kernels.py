@@ -65,3 +65,42 @@ def test_disabled_by_environment(monkeypatch):
     monkeypatch.setenv("INGOT_CPU_KERNELS", "0")
     assert cpu_kernels.load_cpu_kernels() is None
 
+
+
+def _paged_reference(q, cache, block_table, seq_lens, scale, block_size):
+    """SDPA in float32 over the gathered blocks, keys past each sequence masked."""
+    num_reqs, width = block_table.shape
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = cache.shape[3]
+    length = width * block_size
+    k = cache[0][block_table].view(num_reqs, length, num_kv_heads, head_dim).transpose(1, 2)
+    v = cache[1][block_table].view(num_reqs, length, num_kv_heads, head_dim).transpose(1, 2)
+    mask = (torch.arange(length) < seq_lens[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(
+        q.float().unsqueeze(2), k.float(), v.float(), attn_mask=mask, scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )
+    return out.view(num_reqs, num_heads * head_dim)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("num_reqs", "width", "heads", "kv_heads", "head_dim", "block_size"),
+    [(1, 8, 9, 3, 64, 32), (5, 3, 4, 4, 32, 16), (16, 2, 8, 1, 16, 8)],
+)
+def test_paged_decode_matches_sdpa_over_the_gathered_blocks(
+    num_reqs, width, heads, kv_heads, head_dim, block_size
+):
+    torch.manual_seed(4)
+    cache = torch.randn(2, 40, block_size, kv_heads, head_dim).to(torch.bfloat16)
+    table = torch.randint(1, 40, (num_reqs, width))
+    seq_lens = torch.randint(1, width * block_size + 1, (num_reqs,))
+    q = torch.randn(num_reqs, heads, head_dim).to(torch.bfloat16)
+    got = cpu_kernels.paged_decode_bf16(fn, q, cache, table, seq_lens, head_dim**-0.5).float()
+    ref = _paged_reference(q, cache, table, seq_lens, head_dim**-0.5, block_size)
+    # One bf16 rounding of the output (half an ulp) plus float32 noise.
+    assert ((got - ref).abs() <= ref.abs() * 2.0**-8 + 1e-3).all()
+    # A sequence one key shorter gives a visibly different answer (the length is honoured).
+    shorter = cpu_kernels.paged_decode_bf16(fn, q, cache, table, (seq_lens - 1).clamp(min=1),
+                                            head_dim**-0.5).float()
+    assert not torch.allclose(shorter, ref, atol=1e-3) or (seq_lens == 1).all()

@@ -34,6 +34,8 @@ GEMV_MAX_ROWS = 1
 
 _SOURCE = r"""
 #include <immintrin.h>
+#include <math.h>
+#include <omp.h>
 #include <stdint.h>
 
 static inline uint16_t to_bf16(float f) {
@@ -84,9 +86,81 @@ void ingot_gemv_bf16(const uint16_t *x, const uint16_t *w, const float *bias, ui
     }
 }
 
+static inline __m512 bf16x16_to_ps(const uint16_t *p) {
+    __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+/* Decode attention straight from the paged cache (one query token per sequence), no gather:
+   q [B, H, D], k/v cache [num_blocks, block_size, Hkv, D], block_table [B, W] int64, seq_lens
+   [B] int64 (keys 0..seq_len-1), out [B, H, D]; all bf16 but the tables. Scores and softmax in
+   float32; query heads h = j*G .. j*G+G-1 share kv head j. D must be a multiple of 16, G <= 16. */
+void ingot_paged_decode_bf16(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,
+                             const int64_t *block_table, const int64_t *seq_lens, uint16_t *out,
+                             int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t block_size,
+                             int64_t W, float scale, float *scratch, int64_t scratch_per_task,
+                             int nthreads) {
+    const int64_t G = H / Hkv;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int64_t task = 0; task < B * Hkv; task++) {
+        const int64_t b = task / Hkv, j = task % Hkv;
+        int64_t L = seq_lens[b];
+        if (L > W * block_size) L = W * block_size;
+        if (L < 1) L = 1;
+        float *sc = scratch + (int64_t)omp_get_thread_num() * scratch_per_task;  /* [G, L] */
+        float qf[16][256];
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t d = 0; d < D; d++) {
+                uint32_t u = (uint32_t)q[(b * H + j * G + g) * D + d] << 16;
+                __builtin_memcpy(&qf[g][d], &u, 4);
+            }
+        float mx[16];
+        for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;
+        const int64_t *table = block_table + b * W;
+        for (int64_t t = 0; t < L; t++) {
+            const uint16_t *kp = kc + ((table[t / block_size] * block_size + t % block_size) * Hkv + j) * D;
+            for (int64_t g = 0; g < G; g++) {
+                __m512 acc = _mm512_setzero_ps();
+                for (int64_t d = 0; d < D; d += 16)
+                    acc = _mm512_fmadd_ps(bf16x16_to_ps(kp + d), _mm512_loadu_ps(&qf[g][d]), acc);
+                float s = _mm512_reduce_add_ps(acc) * scale;
+                sc[g * L + t] = s;
+                if (s > mx[g]) mx[g] = s;
+            }
+        }
+        float sum[16];
+        for (int64_t g = 0; g < G; g++) {
+            float z = 0.0f;
+            for (int64_t t = 0; t < L; t++) {
+                float e = expf(sc[g * L + t] - mx[g]);
+                sc[g * L + t] = e;
+                z += e;
+            }
+            sum[g] = z;
+        }
+        __m512 acc[16][16];  /* [G][D/16] */
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t c = 0; c < D / 16; c++) acc[g][c] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < L; t++) {
+            const uint16_t *vp = vc + ((table[t / block_size] * block_size + t % block_size) * Hkv + j) * D;
+            for (int64_t c = 0; c < D / 16; c++) {
+                __m512 vv = bf16x16_to_ps(vp + c * 16);
+                for (int64_t g = 0; g < G; g++)
+                    acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(sc[g * L + t]), vv, acc[g][c]);
+            }
+        }
+        for (int64_t g = 0; g < G; g++) {
+            const float inv = 1.0f / sum[g];
+            float tmp[256];
+            for (int64_t c = 0; c < D / 16; c++)
+                _mm512_storeu_ps(tmp + c * 16, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv)));
+            for (int64_t d = 0; d < D; d++) out[(b * H + j * G + g) * D + d] = to_bf16(tmp[d]);
+        }
+    }
+}
 """
 
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC", "-lm"]
 _UNSET = object()
 _loaded: object = _UNSET
 
@@ -99,6 +173,9 @@ class CpuKernels:
         self.gemv = lib.ingot_gemv_bf16
         self.gemv.restype = None
         self.gemv.argtypes = [p, p, p, p, i64, i64, i64, ctypes.c_int]
+        self.paged_decode = lib.ingot_paged_decode_bf16
+        self.paged_decode.restype = None
+        self.paged_decode.argtypes = [p] * 6 + [i64] * 6 + [ctypes.c_float, p, i64, ctypes.c_int]
 
 
 def _cpu_has_avx512_bf16() -> bool:
@@ -171,3 +248,40 @@ def gemv_bf16(
     )
     return y
 
+
+
+# Limits of the decode-attention kernel's fixed-size buffers.
+PAGED_DECODE_MAX_HEAD_DIM, PAGED_DECODE_MAX_GROUP = 256, 16
+
+
+def paged_decode_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    group = num_heads // num_kv_heads
+    return head_dim % 16 == 0 and head_dim <= PAGED_DECODE_MAX_HEAD_DIM and group <= PAGED_DECODE_MAX_GROUP
+
+
+def paged_decode_bf16(
+    kernels: CpuKernels,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """query [B, H, D] bf16 (one token per sequence), kv_cache [2, num_blocks, block_size, Hkv,
+    D] bf16, block_table [B, W] int64, seq_lens [B] int64 -> [B, H * D] bf16."""
+    query = query.contiguous()
+    num_reqs, num_heads, head_dim = query.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    block_table = block_table.to(torch.int64).contiguous()
+    seq_lens = seq_lens.to(torch.int64).contiguous()
+    width = block_table.shape[1]
+    threads = torch.get_num_threads()
+    per_task = (num_heads // num_kv_heads) * width * block_size
+    scratch = torch.empty(threads * per_task, dtype=torch.float32)
+    out = torch.empty(num_reqs, num_heads * head_dim, dtype=torch.bfloat16)
+    kernels.paged_decode(
+        query.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_table.data_ptr(),
+        seq_lens.data_ptr(), out.data_ptr(), num_reqs, num_heads, num_kv_heads, head_dim,
+        block_size, width, scale, scratch.data_ptr(), per_task, threads,
+    )
+    return out

@@ -70,12 +70,18 @@ class LinearBase(nn.Module):
 
 
 def pack_linear_weights(model: nn.Module) -> int:
-    """Pack every linear layer of ``model`` for oneDNN; returns how many were packed."""
+    """Pack every linear layer of ``model`` for oneDNN, and hand ingot's CPU kernels to the
+    attention modules that can use them; returns how many linears were packed."""
+    from ingot.model_executor.layers.cpu_kernels import paged_decode_supported
+
     count = 0
     for module in model.modules():
         if isinstance(module, LinearBase):
             module.pack_weight()
             count += 1
+        elif hasattr(module, "cpu_kernels") and hasattr(module, "num_kv_heads"):
+            if paged_decode_supported(module.num_heads, module.num_kv_heads, module.head_dim):
+                module.cpu_kernels = load_cpu_kernels()
     return count
 
 

@@ -49,6 +49,7 @@ class DecoderAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.sliding_window: int | None = None
         self.kv_scales = KVScales()
+        self.cpu_kernels = None  # ingot's decode-attention kernel (bf16 on CPU; set after loading)
 
     def forward(
         self,
@@ -67,7 +68,8 @@ class DecoderAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         out = paged_attention(
-            q, k, v, kv_cache, meta, self.scale, self.sliding_window, self.kv_scales
+            q, k, v, kv_cache, meta, self.scale, self.sliding_window, self.kv_scales,
+            self.cpu_kernels,
         )
         return self.o_proj(out)
 
