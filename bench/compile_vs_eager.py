@@ -57,8 +57,13 @@ def _worker(ns: argparse.Namespace) -> None:
     t = time.perf_counter()
     llm.generate(prompts(ns.batch), params)
     offline = ns.batch * OUTPUT_LEN / (time.perf_counter() - t)
+    # bf16 agreement check: the same greedy continuations in every mode (printed, compared in main).
+    probe = llm.generate([{"prompt_token_ids": list(range(200 + 37 * i, 200 + 37 * i + 24))}
+                          for i in range(4)],
+                         SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
     after = worker.compile_stats()
     print("RESULT " + json.dumps({
+        "greedy_tokens": [list(o.outputs[0].token_ids) for o in probe],
         "mode": ns.mode, "ready_s": round(ready, 2), "graphs": stats["graphs"],
         "compiled": stats["compilations"], "cache_hits": stats["cache_hits"],
         "compile_s_per_bucket": {k: round(v, 2) for k, v in
@@ -101,6 +106,11 @@ def main() -> None:
     if "cold" in by_mode and "warm" in by_mode:
         print(f"warm start is {by_mode['cold']['ready_s'] / by_mode['warm']['ready_s']:.1f}x "
               "faster to ready than cold")
+    if "eager" in by_mode:
+        ref = by_mode["eager"]["greedy_tokens"]
+        for r in results[1:]:
+            same = sum(a == b for a, b in zip(r["greedy_tokens"], ref, strict=True))
+            print(f"{r['mode']}: {same}/{len(ref)} greedy continuations identical to eager")
     if "eager" in by_mode and "warm" in by_mode:
         for key in ("single_tok_s", "offline_tok_s"):
             print(f"{key}: compiled/eager = {by_mode['warm'][key] / by_mode['eager'][key]:.2f}")
