@@ -11,7 +11,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ingot.model_executor.layers.cpu_kernels import GEMV_MAX_ROWS, gemv_bf16, load_cpu_kernels
+from ingot.model_executor.layers.cpu_kernels import (
+    GEMV_MAX_ROWS,
+    gemv_bf16,
+    load_cpu_kernels,
+    paged_decode_supported,
+)
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
@@ -53,8 +58,8 @@ class LinearBase(nn.Module):
     def pack_weight(self) -> None:
         """Re-lay the weight out for oneDNN once, after loading. Measured on this project's
         2-core AMX machine: bf16 GEMV 1.5x faster (3072x576) and up to 2x on the 49152-row LM
-        head than ``F.linear`` on the plain weight, and never slower at prefill sizes. Small
-        single rows (batch-1 decode) go to ingot's own GEMV kernel when it builds (cpu_kernels.py)."""
+        head than ``F.linear`` on the plain weight, and never slower at prefill sizes. Single
+        rows (batch-1 decode) go to ingot's own GEMV kernel when it builds (cpu_kernels.py)."""
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
         self.cpu_kernels = load_cpu_kernels() if self.weight.is_contiguous() else None
         self.bias_f32 = self.bias.detach().float() if self.bias is not None else None
@@ -72,8 +77,6 @@ class LinearBase(nn.Module):
 def pack_linear_weights(model: nn.Module) -> int:
     """Pack every linear layer of ``model`` for oneDNN, and hand ingot's CPU kernels to the
     attention modules that can use them; returns how many linears were packed."""
-    from ingot.model_executor.layers.cpu_kernels import paged_decode_supported
-
     count = 0
     for module in model.modules():
         if isinstance(module, LinearBase):
