@@ -1,4 +1,5 @@
-"""ingot's AVX512-BF16 GEMV kernel against float32 math on the same bf16 inputs."""
+"""ingot's AVX512-BF16 kernels against torch: float32 math on the same bf16 inputs for the GEMV
+and attention, bit-equality with torch's bf16 ops for the elementwise kernels and argmax."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import torch
 from torch.nn import functional as F
 
 from ingot.model_executor.layers import cpu_kernels
+from ingot.model_executor.layers.layernorm import RMSNorm
 from ingot.model_executor.layers.linear import ReplicatedLinear
+from ingot.model_executor.layers.rotary import RotaryEmbedding
+from ingot.model_executor.layers.sampler import greedy_argmax
 
 fn = cpu_kernels.load_cpu_kernels()
 needs_kernel = pytest.mark.skipif(fn is None, reason="no AVX512-BF16 or no C compiler here")
@@ -17,43 +21,46 @@ def _reference(x, w, b):
     return F.linear(x.float(), w.float(), None if b is None else b.float())
 
 
+def _within_one_rounding(y, ref, k):
+    # One rounding to bf16 (half an ulp: 2^-9 relative) plus float32 summation-order noise.
+    return ((y.float() - ref).abs() <= ref.abs() * 2.0**-8 + 1e-3 * k**0.5).all()
+
+
 @needs_kernel
 @pytest.mark.parametrize(
     ("m", "k", "n", "bias"),
     [(1, 576, 960, False), (3, 1536, 576, True), (8, 100, 37, True), (1, 64, 5, False),
      (2, 31, 9, False)],
 )
-def test_kernel_matches_float32_math_within_one_bf16_rounding(m, k, n, bias):
+def test_gemv_matches_float32_math_within_one_bf16_rounding(m, k, n, bias):
     torch.manual_seed(0)
     x = torch.randn(m, k).to(torch.bfloat16)
     w = torch.randn(n, k).to(torch.bfloat16)
     b = torch.randn(n).to(torch.bfloat16) if bias else None
-    y = cpu_kernels.gemv_bf16(fn, x, w, None if b is None else b.float())
-    ref = _reference(x, w, b)
+    packed = cpu_kernels.pack_gemv_weight(w)
+    y = cpu_kernels.gemv_bf16(fn, x, packed, n, None if b is None else b.float())
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
-    # One rounding to bf16 (half an ulp: 2^-9 relative) plus float32 summation-order noise.
-    assert ((y.float() - ref).abs() <= ref.abs() * 2.0**-8 + 1e-3 * k**0.5).all()
+    assert _within_one_rounding(y, _reference(x, w, b), k)
 
 
 @needs_kernel
-def test_a_wrong_result_is_caught():
-    """The tolerance above is tight enough to see one dropped K chunk."""
+def test_gemv_tolerance_catches_a_dropped_k_chunk():
     torch.manual_seed(1)
     x = torch.randn(1, 96).to(torch.bfloat16)
     w = torch.randn(16, 96).to(torch.bfloat16)
-    broken = cpu_kernels.gemv_bf16(fn, x[:, :64].contiguous(), w[:, :64].contiguous(), None)
-    ref = _reference(x, w, None)
-    assert not ((broken.float() - ref).abs() <= ref.abs() * 2.0**-8 + 1e-3 * 96**0.5).all()
+    short = cpu_kernels.pack_gemv_weight(w[:, :64].contiguous())
+    broken = cpu_kernels.gemv_bf16(fn, x[:, :64].contiguous(), short, 16)
+    assert not _within_one_rounding(broken, _reference(x, w, None), 96)
 
 
 @needs_kernel
-def test_packed_linear_uses_the_kernel_for_small_batches_only():
+def test_packed_linear_uses_the_kernel_for_single_rows_only():
     torch.manual_seed(2)
     layer = ReplicatedLinear(64, 48, bias=True).to(torch.bfloat16)
     layer.weight.data.normal_()
     layer.bias.data.normal_()
-    layer.pack_weight()
-    assert layer.cpu_kernels is not None
+    layer.pack_weight(fn)
+    assert layer.gemv_weight is not None
     for rows in (1, cpu_kernels.GEMV_MAX_ROWS, cpu_kernels.GEMV_MAX_ROWS + 1, 64):
         x = torch.randn(rows, 64).to(torch.bfloat16)
         ref = _reference(x, layer.weight, layer.bias)
@@ -66,41 +73,151 @@ def test_disabled_by_environment(monkeypatch):
     assert cpu_kernels.load_cpu_kernels() is None
 
 
+@needs_kernel
+@pytest.mark.parametrize(("rows", "width"), [(1, 576), (64, 576), (3, 100), (2, 16)])
+def test_rms_norm_equals_torch_bit_for_bit(rows, width):
+    torch.manual_seed(3)
+    norm = RMSNorm(width, 1e-5).to(torch.bfloat16)
+    norm.weight.data.normal_()
+    x = torch.randn(rows, width).to(torch.bfloat16)
+    residual = torch.randn(rows, width).to(torch.bfloat16)
+    assert torch.equal(cpu_kernels.rms_norm_bf16(fn, x, norm.weight, 1e-5), norm(x))
+    out, new_residual = cpu_kernels.rms_norm_bf16(fn, x, norm.weight, 1e-5, residual)
+    ref_out, ref_residual = norm(x, residual)
+    assert torch.equal(new_residual, ref_residual)
+    assert torch.equal(out, ref_out)
+    # The comparison sees a wrong epsilon (a broken kernel would look like this).
+    assert not torch.equal(cpu_kernels.rms_norm_bf16(fn, x, norm.weight, 1e-1), norm(x))
 
-def _paged_reference(q, cache, block_table, seq_lens, scale, block_size):
-    """SDPA in float32 over the gathered blocks, keys past each sequence masked."""
+
+@needs_kernel
+def test_rms_norm_module_uses_the_kernel_once_attached():
+    norm = RMSNorm(64, 1e-6).to(torch.bfloat16)
+    norm.weight.data.normal_()
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    expected = norm(x)
+    norm.attach_cpu_kernels(fn)
+    assert norm.cpu_kernels is fn
+    assert torch.equal(norm(x), expected)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("rows", "inter"), [(1, 1536), (64, 1536), (2, 37)])
+def test_silu_mul_equals_torch(rows, inter):
+    torch.manual_seed(5)
+    gate_up = (torch.randn(rows, 2 * inter) * 3).to(torch.bfloat16)
+    gate, up = gate_up.chunk(2, dim=-1)
+    ref = F.silu(gate) * up
+    got = cpu_kernels.silu_mul_bf16(fn, gate_up)
+    # exp's last float32 bit may differ from torch's; measured identical on these inputs.
+    assert (got != ref).float().mean() <= 1e-3
+    assert torch.allclose(got.float(), ref.float(), rtol=2.0**-7, atol=0)
+
+
+@needs_kernel
+def test_argmax_equals_torch_including_ties_nan_and_inf():
+    torch.manual_seed(6)
+    logits = torch.randn(9, 49152).to(torch.bfloat16)
+    logits[1, 100] = logits[1, 200] = 50.0  # tie: the first index wins
+    logits[2, 7] = logits[2, 9] = float("nan")  # NaN wins, the first one
+    logits[3] = float("-inf")
+    logits[4] = 1.0
+    for rows, cols in ((9, 49152), (1, 37), (3, 16), (2, 1)):
+        part = logits[:rows, :cols]
+        assert torch.equal(cpu_kernels.argmax_bf16(fn, part), part.argmax(dim=-1))
+        assert torch.equal(greedy_argmax(part), part.argmax(dim=-1))
+
+
+def _attention_reference(q, cache, block_table, seq_lens, scale, block_size, window=None):
+    """SDPA in float32 over the gathered blocks, keys past each sequence (and outside the
+    sliding window) masked."""
     num_reqs, width = block_table.shape
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = cache.shape[3]
     length = width * block_size
     k = cache[0][block_table].view(num_reqs, length, num_kv_heads, head_dim).transpose(1, 2)
     v = cache[1][block_table].view(num_reqs, length, num_kv_heads, head_dim).transpose(1, 2)
-    mask = (torch.arange(length) < seq_lens[:, None])[:, None, None, :]
+    key_pos = torch.arange(length)
+    mask = key_pos < seq_lens[:, None]
+    if window is not None:
+        mask &= key_pos >= seq_lens[:, None] - window
     out = F.scaled_dot_product_attention(
-        q.float().unsqueeze(2), k.float(), v.float(), attn_mask=mask, scale=scale,
-        enable_gqa=num_heads != num_kv_heads,
+        q.float().unsqueeze(2), k.float(), v.float(), attn_mask=mask[:, None, None, :],
+        scale=scale, enable_gqa=num_heads != num_kv_heads,
     )
     return out.view(num_reqs, num_heads * head_dim)
 
 
-@needs_kernel
-@pytest.mark.parametrize(
-    ("num_reqs", "width", "heads", "kv_heads", "head_dim", "block_size"),
-    [(1, 8, 9, 3, 64, 32), (5, 3, 4, 4, 32, 16), (16, 2, 8, 1, 16, 8)],
-)
-def test_paged_decode_matches_sdpa_over_the_gathered_blocks(
-    num_reqs, width, heads, kv_heads, head_dim, block_size
-):
-    torch.manual_seed(4)
-    cache = torch.randn(2, 40, block_size, kv_heads, head_dim).to(torch.bfloat16)
-    table = torch.randint(1, 40, (num_reqs, width))
+def _close(got, ref):
+    # The output's bf16 rounding (half an ulp) and, as in torch's CPU flash attention, the
+    # probabilities rounded to bf16 before p.v.
+    return ((got.float() - ref).abs() <= ref.abs() * 2.0**-7 + 4e-3).all()
+
+
+def _attention_case(num_reqs, width, heads, kv_heads, head_dim, block_size, seed=4):
+    torch.manual_seed(seed)
+    num_blocks = num_reqs * width + 4
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim).to(torch.bfloat16)
+    # Disjoint blocks per sequence, as the cache manager hands out for writable slots.
+    table = (torch.randperm(num_blocks - 1)[: num_reqs * width] + 1).view(num_reqs, width)
     seq_lens = torch.randint(1, width * block_size + 1, (num_reqs,))
-    q = torch.randn(num_reqs, heads, head_dim).to(torch.bfloat16)
-    got = cpu_kernels.paged_decode_bf16(fn, q, cache, table, seq_lens, head_dim**-0.5).float()
-    ref = _paged_reference(q, cache, table, seq_lens, head_dim**-0.5, block_size)
-    # One bf16 rounding of the output (half an ulp) plus float32 noise.
-    assert ((got - ref).abs() <= ref.abs() * 2.0**-8 + 1e-3).all()
+    positions = seq_lens - 1
+    slots = table[torch.arange(num_reqs), positions // block_size] * block_size
+    slots += positions % block_size
+    qkv = torch.randn(num_reqs, (heads + 2 * kv_heads) * head_dim).to(torch.bfloat16)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q = q.view(num_reqs, heads, head_dim)  # strided views into qkv, as in the model
+    k = k.view(num_reqs, kv_heads, head_dim)
+    v = v.view(num_reqs, kv_heads, head_dim)
+    return cache, table, seq_lens, positions, slots, q, k, v
+
+
+@needs_kernel
+@pytest.mark.parametrize("rotary", [False, True])
+@pytest.mark.parametrize(
+    ("num_reqs", "width", "heads", "kv_heads", "head_dim", "block_size", "window"),
+    [(1, 8, 9, 3, 64, 32, None), (5, 3, 4, 4, 32, 16, None), (16, 2, 8, 1, 128, 8, None),
+     (7, 6, 6, 2, 64, 16, 20), (64, 8, 9, 3, 64, 32, None), (3, 2, 2, 1, 256, 16, None)],
+)
+def test_decode_attention_writes_the_cache_and_matches_sdpa(
+    num_reqs, width, heads, kv_heads, head_dim, block_size, window, rotary
+):
+    cache, table, seq_lens, positions, slots, q, k, v = _attention_case(
+        num_reqs, width, heads, kv_heads, head_dim, block_size
+    )
+    if num_reqs > 2:
+        slots[1] = -1  # a padding row: its k/v must not be written
+    rope = RotaryEmbedding(head_dim, 4096, {"rope_theta": 10000.0, "rope_type": "default"})
+    cos_sin = rope.cos_sin_cache.to(torch.bfloat16)
+    rope.cos_sin_cache = cos_sin
+    scale = head_dim**-0.5
+
+    got_cache = cache.clone()
+    got = cpu_kernels.decode_attention_bf16(
+        fn, q, k, v, got_cache, slots, table, seq_lens, scale, window,
+        positions if rotary else None, cos_sin if rotary else None,
+    )
+    # Reference: torch's rotary, torch's cache write, float32 SDPA.
+    q_ref, k_ref = rope(positions, q, k) if rotary else (q, k)
+    ref_cache = cache.clone()
+    written = slots >= 0
+    ref_cache[0].view(-1, kv_heads, head_dim)[slots[written]] = k_ref[written]
+    ref_cache[1].view(-1, kv_heads, head_dim)[slots[written]] = v[written]
+    assert torch.equal(got_cache, ref_cache)  # rotary is bit-exact with torch's
+    ref = _attention_reference(q_ref, ref_cache, table, seq_lens, scale, block_size, window)
+    assert got.shape == (num_reqs, heads * head_dim)
+    assert _close(got, ref)
+    if rotary:
+        # Broken case: attention over unrotated queries must fail the same check.
+        assert not _close(
+            cpu_kernels.decode_attention_bf16(
+                fn, q, k, v, cache.clone(), slots, table, seq_lens, scale, window
+            ),
+            ref,
+        )
     # A sequence one key shorter gives a visibly different answer (the length is honoured).
-    shorter = cpu_kernels.paged_decode_bf16(fn, q, cache, table, (seq_lens - 1).clamp(min=1),
-                                            head_dim**-0.5).float()
-    assert not torch.allclose(shorter, ref, atol=1e-3) or (seq_lens == 1).all()
+    shorter = cpu_kernels.decode_attention_bf16(
+        fn, q_ref, k_ref, v, ref_cache.clone(), torch.full_like(slots, -1), table,
+        (seq_lens - 1).clamp(min=1), scale, window,
+    )
+    assert not _close(shorter, ref) or (seq_lens == 1).all()

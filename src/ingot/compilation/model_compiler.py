@@ -284,6 +284,7 @@ class ModelCompiler:
                 # Dynamo cannot trace oneDNN's opaque pre-packed weights: compiled layers use
                 # the plain weight (the eager head and embedding keep their packing).
                 module.packed_weight = None
+                module.gemv_weight = None
             if getattr(module, "cpu_kernels", None) is not None:
                 module.cpu_kernels = None  # ctypes kernels are opaque to Dynamo too
         compiled = torch.compile(_fresh_function(_run_layer), backend=self.backend,

@@ -214,7 +214,8 @@ class ModelRunner:
             self._prompt_logprobs(hidden, prompt_lp, output)
         if not sample_rows:
             return output
-        logits = self.model.compute_logits(hidden[sample_rows]).float()
+        # Model dtype: the sampler makes its own float32 copy only when it processes them.
+        logits = self.model.compute_logits(hidden[sample_rows])
         states = [self.requests[r] for r in sample_reqs]
         metadata = SamplingMetadata.from_params(
             [s.params for s in states],

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from ingot.model_executor.layers.cpu_kernels import CpuKernels, paged_decode_bf16
+from ingot.model_executor.layers.cpu_kernels import CpuKernels, decode_attention_bf16
 
 
 @dataclass
@@ -158,6 +158,25 @@ def write_kv_cache(
             flat.index_copy_(0, slots, torch.where(valid, stored, flat[slots]))
 
 
+def cpu_decode_applies(
+    cpu_kernels: CpuKernels | None,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    kv_scales: KVScales | None = None,
+) -> bool:
+    """ingot's decode-attention kernel serves this step: one token per request, bf16 query and
+    cache (FP8 caches keep the torch path), no FP8 calibration running."""
+    return (
+        cpu_kernels is not None
+        and meta.seq_lens is not None
+        and query.shape[0] == meta.num_reqs
+        and kv_cache.dtype == torch.bfloat16
+        and query.dtype == torch.bfloat16
+        and not (kv_scales is not None and kv_scales.calibrating)
+    )
+
+
 def paged_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -170,8 +189,13 @@ def paged_attention(
     cpu_kernels: CpuKernels | None = None,
 ) -> torch.Tensor:
     """query [T, H, D], key/value [T, Hkv, D] -> output [T, H * D] (rows past the actual tokens
-    are zero). ``cpu_kernels``: decode of a bf16 cache reads the blocks in place with ingot's
-    kernel instead of gathering them for SDPA (2.8x faster at 64 x 256 keys, measured)."""
+    are zero). ``cpu_kernels``: decode of a bf16 cache writes and reads the blocks in place with
+    ingot's kernel instead of gathering them for SDPA (see cpu_kernels.py)."""
+    if cpu_decode_applies(cpu_kernels, query, kv_cache, meta, kv_scales):
+        return decode_attention_bf16(
+            cpu_kernels, query, key, value, kv_cache, meta.slot_mapping, meta.block_table,
+            meta.seq_lens, scale, sliding_window,
+        )
     num_tokens, num_heads, head_dim = query.shape
     if kv_scales is not None and kv_scales.calibrating:
         kv_scales.observe(key, value, meta.num_actual_tokens)
@@ -181,17 +205,6 @@ def paged_attention(
 
     num_reqs, max_q = meta.num_reqs, meta.max_query_len
     n = meta.num_actual_tokens
-    if (
-        cpu_kernels is not None
-        and meta.seq_lens is not None
-        and num_tokens == num_reqs
-        and sliding_window is None
-        and kv_cache.dtype == torch.bfloat16
-        and query.dtype == torch.bfloat16
-    ):
-        return paged_decode_bf16(
-            cpu_kernels, query, kv_cache, meta.block_table, meta.seq_lens, scale
-        )
     identity = meta.grid_is_identity and num_tokens == num_reqs * max_q
     if identity:
         q = query.view(num_reqs, max_q, num_heads, head_dim).transpose(1, 2)

@@ -1,16 +1,21 @@
-"""ingot's own CPU kernel for single-sequence decode on CPUs with AVX512-BF16.
+"""ingot's own CPU kernels for bf16 decode on CPUs with AVX512-BF16 (source: cpu_kernels.c).
 
-Why: at batch 1 a decode step is a chain of ~120 GEMVs whose cost is reading the weights.
-oneDNN's pre-packed linear reaches ~8.5 GB/s on these 0.6-3.5 MB matrices on the project
-machine (per-call overhead, poor two-core scaling), while two cores stream ~14 GB/s.
-``ingot_gemv_bf16`` walks the weight once with both cores (OpenMP, the libgomp torch already
-loaded) and ``vdpbf16ps``: bf16 products, float32 accumulation, one rounding to bf16, as oneDNN
-and MKL do. (A fused residual-add + RMSNorm kernel was tried too and measured no faster than
-torch's nine ops, so it is not here.)
+Why: a decode step at small batch is a chain of GEMVs whose cost is reading the weights, plus a
+few hundred small elementwise ops whose cost is dispatch, not arithmetic. Measured on the
+project's 2-core machine (single-stream decode of the default model):
+- ``gemv``: the weight pre-packed in blocks of 8 rows (:func:`pack_gemv_weight`) streams at
+  ~20 GB/s against ~13.5 GB/s for a row-major walk and ~8.5 GB/s for oneDNN's packed linear on
+  these 0.6-3.5 MB matrices. Used for single rows; from 2 rows on oneDNN's AMX path is faster.
+- ``decode_attention``: rotary, the KV-cache write and attention over the paged cache (no
+  gather) in one call per layer; q.k with ``vdpbf16ps`` 16 keys at a time, float32 softmax.
+- ``rms_norm`` (with the residual add) and ``silu_mul``: one call instead of 9 and 3 torch ops.
+- ``argmax`` of bf16 logits for greedy sampling: ~9x faster than torch's on 64 x 49152.
+Elementwise results round to bf16 at the same points as the torch ops they replace.
 
 The C source is built once per machine with the system C compiler into the ingot cache
-(``$INGOT_CACHE_ROOT/kernels``) and loaded with ctypes. Without a compiler, without AVX512-BF16,
-or with ``INGOT_CPU_KERNELS=0``, :func:`load_cpu_kernels` returns None and oneDNN runs.
+(``$INGOT_CACHE_ROOT/kernels``) and loaded with ctypes; OpenMP is the libgomp torch already
+loaded. Without a compiler, without AVX512-BF16, or with ``INGOT_CPU_KERNELS=0``,
+:func:`load_cpu_kernels` returns None and the torch ops / oneDNN run.
 """
 
 from __future__ import annotations
@@ -28,139 +33,16 @@ import torch
 
 logger = logging.getLogger("ingot")
 
-# Rows of x handled by the kernel. Measured over a model's worth of weights: faster than oneDNN's
-# packed linear at 1 row, slower from 2 rows on (oneDNN's AMX path takes over there).
+# Rows of x sent to the GEMV kernel. Measured over a model's worth of weights: faster than
+# oneDNN's packed linear at 1 row, slower from 2 rows on (oneDNN's AMX path takes over there).
 GEMV_MAX_ROWS = 1
+GEMV_BLOCK_ROWS, GEMV_BLOCK_K = 8, 32  # the packed layout (GEMV_ROWS in the C source)
+# Limits of the decode-attention kernel's fixed-size buffers and vdpbf16ps steps.
+ATTN_MAX_HEAD_DIM, ATTN_MAX_GROUP = 256, 16
 
-_SOURCE = r"""
-#include <immintrin.h>
-#include <math.h>
-#include <omp.h>
-#include <stdint.h>
-
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    __builtin_memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);  /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
-
-/* y[m, n] = bf16(sum_k x[m, k] * w[n, k] (+ bias[n])); x [M, K], w [N, K], y [M, N] row-major
-   bf16; bias float32 or NULL. A block of 4 weight rows is loaded once per 32-wide K step and used
-   by up to 4 rows of x (16 accumulators), so the weight is read from memory once whatever M is. */
-void ingot_gemv_bf16(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *y,
-                     int64_t M, int64_t N, int64_t K, int nthreads) {
-    const int64_t tail = K % 32, kmain = K - tail;
-    const __mmask32 tmask = tail ? (__mmask32)((1u << tail) - 1u) : 0;
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t n = 0; n < N; n += 4) {
-        const int64_t rows = N - n < 4 ? N - n : 4;
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            const int64_t mrows = M - m0 < 4 ? M - m0 : 4;
-            __m512 acc[4][4];
-            for (int i = 0; i < 4; i++)
-                for (int r = 0; r < 4; r++) acc[i][r] = _mm512_setzero_ps();
-            for (int64_t k = 0; k < K; k += 32) {
-                const int full = k < kmain;
-                __m512bh wv[4];
-                for (int r = 0; r < rows; r++) {
-                    const uint16_t *wp = w + (n + r) * K + k;
-                    wv[r] = full ? (__m512bh)_mm512_loadu_si512((const void *)wp)
-                                 : (__m512bh)_mm512_maskz_loadu_epi16(tmask, wp);
-                }
-                for (int i = 0; i < mrows; i++) {
-                    const uint16_t *xp = x + (m0 + i) * K + k;
-                    __m512bh xv = full ? (__m512bh)_mm512_loadu_si512((const void *)xp)
-                                       : (__m512bh)_mm512_maskz_loadu_epi16(tmask, xp);
-                    for (int r = 0; r < rows; r++) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], wv[r], xv);
-                }
-            }
-            for (int i = 0; i < mrows; i++)
-                for (int r = 0; r < rows; r++) {
-                    float s = _mm512_reduce_add_ps(acc[i][r]);
-                    if (bias) s += bias[n + r];
-                    y[(m0 + i) * N + n + r] = to_bf16(s);
-                }
-        }
-    }
-}
-
-static inline __m512 bf16x16_to_ps(const uint16_t *p) {
-    __m256i v = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-
-/* Decode attention straight from the paged cache (one query token per sequence), no gather:
-   q [B, H, D], k/v cache [num_blocks, block_size, Hkv, D], block_table [B, W] int64, seq_lens
-   [B] int64 (keys 0..seq_len-1), out [B, H, D]; all bf16 but the tables. Scores and softmax in
-   float32; query heads h = j*G .. j*G+G-1 share kv head j. D must be a multiple of 16, G <= 16. */
-void ingot_paged_decode_bf16(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,
-                             const int64_t *block_table, const int64_t *seq_lens, uint16_t *out,
-                             int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t block_size,
-                             int64_t W, float scale, float *scratch, int64_t scratch_per_task,
-                             int nthreads) {
-    const int64_t G = H / Hkv;
-    #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-    for (int64_t task = 0; task < B * Hkv; task++) {
-        const int64_t b = task / Hkv, j = task % Hkv;
-        int64_t L = seq_lens[b];
-        if (L > W * block_size) L = W * block_size;
-        if (L < 1) L = 1;
-        float *sc = scratch + (int64_t)omp_get_thread_num() * scratch_per_task;  /* [G, L] */
-        float qf[16][256];
-        for (int64_t g = 0; g < G; g++)
-            for (int64_t d = 0; d < D; d++) {
-                uint32_t u = (uint32_t)q[(b * H + j * G + g) * D + d] << 16;
-                __builtin_memcpy(&qf[g][d], &u, 4);
-            }
-        float mx[16];
-        for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;
-        const int64_t *table = block_table + b * W;
-        for (int64_t t = 0; t < L; t++) {
-            const uint16_t *kp = kc + ((table[t / block_size] * block_size + t % block_size) * Hkv + j) * D;
-            for (int64_t g = 0; g < G; g++) {
-                __m512 acc = _mm512_setzero_ps();
-                for (int64_t d = 0; d < D; d += 16)
-                    acc = _mm512_fmadd_ps(bf16x16_to_ps(kp + d), _mm512_loadu_ps(&qf[g][d]), acc);
-                float s = _mm512_reduce_add_ps(acc) * scale;
-                sc[g * L + t] = s;
-                if (s > mx[g]) mx[g] = s;
-            }
-        }
-        float sum[16];
-        for (int64_t g = 0; g < G; g++) {
-            float z = 0.0f;
-            for (int64_t t = 0; t < L; t++) {
-                float e = expf(sc[g * L + t] - mx[g]);
-                sc[g * L + t] = e;
-                z += e;
-            }
-            sum[g] = z;
-        }
-        __m512 acc[16][16];  /* [G][D/16] */
-        for (int64_t g = 0; g < G; g++)
-            for (int64_t c = 0; c < D / 16; c++) acc[g][c] = _mm512_setzero_ps();
-        for (int64_t t = 0; t < L; t++) {
-            const uint16_t *vp = vc + ((table[t / block_size] * block_size + t % block_size) * Hkv + j) * D;
-            for (int64_t c = 0; c < D / 16; c++) {
-                __m512 vv = bf16x16_to_ps(vp + c * 16);
-                for (int64_t g = 0; g < G; g++)
-                    acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(sc[g * L + t]), vv, acc[g][c]);
-            }
-        }
-        for (int64_t g = 0; g < G; g++) {
-            const float inv = 1.0f / sum[g];
-            float tmp[256];
-            for (int64_t c = 0; c < D / 16; c++)
-                _mm512_storeu_ps(tmp + c * 16, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv)));
-            for (int64_t d = 0; d < D; d++) out[(b * H + j * G + g) * D + d] = to_bf16(tmp[d]);
-        }
-    }
-}
-"""
-
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC", "-lm"]
+_SOURCE_PATH = Path(__file__).with_suffix(".c")
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared",
+          "-fPIC", "-lm"]
 _UNSET = object()
 _loaded: object = _UNSET
 
@@ -169,13 +51,21 @@ class CpuKernels:
     """The loaded library's entry points, with their ctypes signatures."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self.gemv = lib.ingot_gemv_bf16
-        self.gemv.restype = None
-        self.gemv.argtypes = [p, p, p, p, i64, i64, i64, ctypes.c_int]
-        self.paged_decode = lib.ingot_paged_decode_bf16
-        self.paged_decode.restype = None
-        self.paged_decode.argtypes = [p] * 6 + [i64] * 6 + [ctypes.c_float, p, i64, ctypes.c_int]
+        p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+        self.gemv = self._bind(lib.ingot_gemv_bf16, [p] * 4 + [i64] * 3 + [i32])
+        self.rms_norm = self._bind(lib.ingot_rmsnorm_bf16, [p] * 5 + [i64] * 2 + [f32, i32])
+        self.silu_mul = self._bind(lib.ingot_silu_mul_bf16, [p] * 2 + [i64] * 2 + [i32])
+        self.decode_attention = self._bind(
+            lib.ingot_decode_attention_bf16,
+            [p, i64, p, i64, p, i64] + [p] * 8 + [i64] * 7 + [f32, p, i64, i32],
+        )
+        self.argmax = self._bind(lib.ingot_argmax_bf16, [p] * 2 + [i64] * 2 + [i32])
+
+    @staticmethod
+    def _bind(fn, argtypes):  # noqa: ANN001, ANN205
+        fn.restype = None
+        fn.argtypes = argtypes
+        return fn
 
 
 def _cpu_has_avx512_bf16() -> bool:
@@ -183,7 +73,7 @@ def _cpu_has_avx512_bf16() -> bool:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
-    return " avx512_bf16" in flags and " avx512bw" in flags
+    return all(f" {flag}" in flags for flag in ("avx512_bf16", "avx512bw", "avx512vl"))
 
 
 def _kernel_dir() -> Path:
@@ -193,14 +83,15 @@ def _kernel_dir() -> Path:
 
 
 def _build(compiler: str) -> Path:
-    digest = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + compiler).encode()).hexdigest()[:16]
+    source = _SOURCE_PATH.read_text()
+    digest = hashlib.sha256((source + " ".join(_FLAGS) + compiler).encode()).hexdigest()[:16]
     target = _kernel_dir() / f"ingot_cpu_kernels_{digest}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         src = Path(tmp) / "kernels.c"
-        src.write_text(_SOURCE)
+        src.write_text(source)
         staged = Path(tmp) / target.name
         subprocess.run(
             [compiler, str(src), "-o", str(staged), *_FLAGS],
@@ -233,55 +124,135 @@ def load_cpu_kernels() -> CpuKernels | None:
     return kernels
 
 
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def pack_gemv_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] bf16 -> the GEMV kernel's layout: blocks of 8 rows, each as K/32 steps of
+    [8][32], zero-padded to whole blocks."""
+    n, k = weight.shape
+    n_pad = -(-n // GEMV_BLOCK_ROWS) * GEMV_BLOCK_ROWS
+    k_pad = -(-k // GEMV_BLOCK_K) * GEMV_BLOCK_K
+    padded = weight.new_zeros(n_pad, k_pad)
+    padded[:n, :k] = weight
+    blocks = padded.view(n_pad // GEMV_BLOCK_ROWS, GEMV_BLOCK_ROWS, k_pad // GEMV_BLOCK_K,
+                         GEMV_BLOCK_K)
+    return blocks.transpose(1, 2).contiguous()
+
+
 def gemv_bf16(
-    kernels: CpuKernels, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    kernels: CpuKernels,
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    out_features: int,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [M, K] bf16 (M <= GEMV_MAX_ROWS), weight [N, K] bf16 contiguous, bias float32 or None
-    -> [M, N] bf16."""
+    """x [M, K] bf16, ``packed`` from :func:`pack_gemv_weight`, bias float32 or None
+    -> [M, out_features] bf16."""
     x = x.contiguous()
     m, k = x.shape
-    n = weight.shape[0]
-    y = torch.empty(m, n, dtype=torch.bfloat16)
-    bias_ptr = bias.data_ptr() if bias is not None else None
-    kernels.gemv(
-        x.data_ptr(), weight.data_ptr(), bias_ptr, y.data_ptr(), m, n, k, torch.get_num_threads()
-    )
+    y = torch.empty(m, out_features, dtype=torch.bfloat16)
+    kernels.gemv(x.data_ptr(), packed.data_ptr(), _ptr(bias), y.data_ptr(), m, out_features, k,
+                 torch.get_num_threads())
     return y
 
 
+def rms_norm_bf16(
+    kernels: CpuKernels,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of bf16 rows (x [..., N], weight [N] bf16), with the residual add when given:
+    returns out, or (out, x + residual) like :class:`RMSNorm`."""
+    x = x.contiguous()
+    n = x.shape[-1]
+    m = x.numel() // n
+    out = torch.empty_like(x)
+    new_residual = None
+    if residual is not None:
+        residual = residual.contiguous()
+        new_residual = torch.empty_like(x)
+    kernels.rms_norm(x.data_ptr(), _ptr(residual), weight.data_ptr(), out.data_ptr(),
+                     _ptr(new_residual), m, n, eps, torch.get_num_threads())
+    return out if new_residual is None else (out, new_residual)
 
-# Limits of the decode-attention kernel's fixed-size buffers.
-PAGED_DECODE_MAX_HEAD_DIM, PAGED_DECODE_MAX_GROUP = 256, 16
+
+def silu_mul_bf16(kernels: CpuKernels, gate_up: torch.Tensor) -> torch.Tensor:
+    """[M, 2I] bf16 (gate then up) -> silu(gate) * up, [M, I] bf16."""
+    gate_up = gate_up.contiguous()
+    m, two_i = gate_up.shape
+    out = torch.empty(m, two_i // 2, dtype=torch.bfloat16)
+    kernels.silu_mul(gate_up.data_ptr(), out.data_ptr(), m, two_i // 2, torch.get_num_threads())
+    return out
 
 
-def paged_decode_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    group = num_heads // num_kv_heads
-    return head_dim % 16 == 0 and head_dim <= PAGED_DECODE_MAX_HEAD_DIM and group <= PAGED_DECODE_MAX_GROUP
+def decode_attention_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    return (
+        num_heads % num_kv_heads == 0
+        and head_dim % 32 == 0
+        and head_dim <= ATTN_MAX_HEAD_DIM
+        and num_heads // num_kv_heads <= ATTN_MAX_GROUP
+    )
 
 
-def paged_decode_bf16(
+def _rows(t: torch.Tensor, width: int) -> tuple[torch.Tensor, int]:
+    """A [T, ..., width-wide row] view whose rows may be strided: (tensor, row stride)."""
+    if t.stride(-1) != 1 or (t.dim() == 3 and t.stride(1) != t.shape[2]):
+        t = t.contiguous()
+    return t, t.stride(0)
+
+
+def decode_attention_bf16(
     kernels: CpuKernels,
     query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
     kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
+    positions: torch.Tensor | None = None,
+    cos_sin: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """query [B, H, D] bf16 (one token per sequence), kv_cache [2, num_blocks, block_size, Hkv,
-    D] bf16, block_table [B, W] int64, seq_lens [B] int64 -> [B, H * D] bf16."""
-    query = query.contiguous()
+    """One decode token per sequence: query [B, H, D], key/value [B, Hkv, D] bf16 (rows may be
+    strided views into a fused qkv output). Writes key/value into kv_cache [2, num_blocks,
+    block_size, Hkv, D] at slot_mapping (-1 = skip), then attends over each sequence's first
+    seq_lens keys (the last ``sliding_window`` of them when given). With ``positions`` and
+    ``cos_sin`` ([max_position, 2, D] bf16) q and k are rotated first (NeoX). -> [B, H * D]."""
     num_reqs, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    query, q_stride = _rows(query, head_dim)
+    key, k_stride = _rows(key, head_dim)
+    value, v_stride = _rows(value, head_dim)
     block_table = block_table.to(torch.int64).contiguous()
     seq_lens = seq_lens.to(torch.int64).contiguous()
+    slots = slot_mapping.to(torch.int64).contiguous()
     width = block_table.shape[1]
     threads = torch.get_num_threads()
-    per_task = (num_heads // num_kv_heads) * width * block_size
-    scratch = torch.empty(threads * per_task, dtype=torch.float32)
+    per_thread = 2 * (num_heads // num_kv_heads) * (width * block_size + 16)
+    scratch = torch.empty(threads * per_thread, dtype=torch.float32)
     out = torch.empty(num_reqs, num_heads * head_dim, dtype=torch.bfloat16)
-    kernels.paged_decode(
-        query.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_table.data_ptr(),
-        seq_lens.data_ptr(), out.data_ptr(), num_reqs, num_heads, num_kv_heads, head_dim,
-        block_size, width, scale, scratch.data_ptr(), per_task, threads,
+    if positions is not None:
+        positions = positions.to(torch.int64).contiguous()
+    kernels.decode_attention(
+        query.data_ptr(), q_stride, key.data_ptr(), k_stride, value.data_ptr(), v_stride,
+        _ptr(positions), _ptr(cos_sin), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+        slots.data_ptr(), block_table.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
+        num_reqs, num_heads, num_kv_heads, head_dim, block_size, width, sliding_window or 0,
+        scale, scratch.data_ptr(), per_thread, threads,
     )
+    return out
+
+
+def argmax_bf16(kernels: CpuKernels, logits: torch.Tensor) -> torch.Tensor:
+    """[M, N] bf16 -> [M] int64, exactly torch.argmax(dim=-1) (first index on ties, NaN wins)."""
+    logits = logits.contiguous()
+    m, n = logits.shape
+    out = torch.empty(m, dtype=torch.int64)
+    kernels.argmax(logits.data_ptr(), out.data_ptr(), m, n, torch.get_num_threads())
     return out

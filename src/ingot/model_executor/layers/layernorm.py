@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ingot.model_executor.layers.cpu_kernels import CpuKernels, rms_norm_bf16
 from ingot.model_executor.layers.linear import default_weight_loader
 
 
@@ -14,10 +15,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.weight.weight_loader = default_weight_loader
+        self.cpu_kernels: CpuKernels | None = None  # one C call instead of nine ops (bf16)
+
+    def attach_cpu_kernels(self, kernels: CpuKernels) -> None:
+        if self.weight.dtype == torch.bfloat16:
+            self.cpu_kernels = kernels
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.cpu_kernels is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+            return rms_norm_bf16(self.cpu_kernels, x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x

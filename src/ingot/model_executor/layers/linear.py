@@ -13,9 +13,10 @@ from torch.nn import functional as F
 
 from ingot.model_executor.layers.cpu_kernels import (
     GEMV_MAX_ROWS,
+    CpuKernels,
     gemv_bf16,
     load_cpu_kernels,
-    paged_decode_supported,
+    pack_gemv_weight,
 )
 
 
@@ -52,22 +53,32 @@ class LinearBase(nn.Module):
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
         # oneDNN blocked copy of ``weight`` (not a parameter: derived, never saved or loaded).
         self.packed_weight: torch.Tensor | None = None
-        self.cpu_kernels = None  # ingot's GEMV for single rows (with packing)
+        # ingot's GEMV for single rows, on its own blocked copy of the weight (with packing).
+        self.cpu_kernels: CpuKernels | None = None
+        self.gemv_weight: torch.Tensor | None = None
         self.bias_f32: torch.Tensor | None = None
 
-    def pack_weight(self) -> None:
+    def pack_weight(self, kernels: CpuKernels | None = None) -> None:
         """Re-lay the weight out for oneDNN once, after loading. Measured on this project's
         2-core AMX machine: bf16 GEMV 1.5x faster (3072x576) and up to 2x on the 49152-row LM
-        head than ``F.linear`` on the plain weight, and never slower at prefill sizes. Single
-        rows (batch-1 decode) go to ingot's own GEMV kernel when it builds (cpu_kernels.py)."""
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
-        self.cpu_kernels = load_cpu_kernels() if self.weight.is_contiguous() else None
+        head than ``F.linear`` on the plain weight, and never slower at prefill sizes. With
+        ``kernels``, single rows (batch-1 decode) go to ingot's GEMV kernel (cpu_kernels.py) on
+        a second, blocked copy of the weight."""
+        weight = self.weight.detach()
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)
+        self.cpu_kernels = kernels
+        self.gemv_weight = pack_gemv_weight(weight) if kernels is not None else None
         self.bias_f32 = self.bias.detach().float() if self.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            self.cpu_kernels is not None
+            and self.gemv_weight is not None
+            and x.dim() == 2
+            and x.shape[0] <= GEMV_MAX_ROWS
+        ):
+            return gemv_bf16(self.cpu_kernels, x, self.gemv_weight, self.output_size, self.bias_f32)
         if self.packed_weight is not None:
-            if self.cpu_kernels is not None and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
-                return gemv_bf16(self.cpu_kernels, x, self.weight, self.bias_f32)
             return torch.ops.mkldnn._linear_pointwise(
                 x, self.packed_weight, self.bias, "none", [], ""
             )
@@ -75,16 +86,17 @@ class LinearBase(nn.Module):
 
 
 def pack_linear_weights(model: nn.Module) -> int:
-    """Pack every linear layer of ``model`` for oneDNN, and hand ingot's CPU kernels to the
-    attention modules that can use them; returns how many linears were packed."""
+    """Pack every linear layer of ``model`` for oneDNN, and hand ingot's CPU kernels (when
+    they build here) to the linears and to every module with an ``attach_cpu_kernels(kernels)``
+    method (norms, MLP, attention); returns how many linears were packed."""
+    kernels = load_cpu_kernels()
     count = 0
     for module in model.modules():
         if isinstance(module, LinearBase):
-            module.pack_weight()
+            module.pack_weight(kernels if module.weight.is_contiguous() else None)
             count += 1
-        elif hasattr(module, "cpu_kernels") and hasattr(module, "num_kv_heads"):
-            if paged_decode_supported(module.num_heads, module.num_kv_heads, module.head_dim):
-                module.cpu_kernels = load_cpu_kernels()
+        elif kernels is not None and hasattr(module, "attach_cpu_kernels"):
+            module.attach_cpu_kernels(kernels)
     return count
 
 

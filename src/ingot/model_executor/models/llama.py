@@ -14,7 +14,18 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ingot.model_executor.layers.attention import AttentionMetadata, KVScales, paged_attention
+from ingot.model_executor.layers.attention import (
+    AttentionMetadata,
+    KVScales,
+    cpu_decode_applies,
+    paged_attention,
+)
+from ingot.model_executor.layers.cpu_kernels import (
+    CpuKernels,
+    decode_attention_bf16,
+    decode_attention_supported,
+    silu_mul_bf16,
+)
 from ingot.model_executor.layers.layernorm import RMSNorm
 from ingot.model_executor.layers.linear import (
     MergedLinear,
@@ -49,7 +60,11 @@ class DecoderAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.sliding_window: int | None = None
         self.kv_scales = KVScales()
-        self.cpu_kernels = None  # ingot's decode-attention kernel (bf16 on CPU; set after loading)
+        self.cpu_kernels: CpuKernels | None = None  # ingot's decode-attention kernel (bf16 CPU)
+
+    def attach_cpu_kernels(self, kernels: CpuKernels) -> None:
+        if decode_attention_supported(self.num_heads, self.num_kv_heads, self.head_dim):
+            self.cpu_kernels = kernels
 
     def forward(
         self,
@@ -64,6 +79,18 @@ class DecoderAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        cos_sin = self.rotary.cos_sin_cache
+        if (
+            self.q_norm is None
+            and cos_sin.dtype == torch.bfloat16
+            and cpu_decode_applies(self.cpu_kernels, q, kv_cache, meta, self.kv_scales)
+        ):
+            # Decode: rotary, the cache write and attention in one kernel call.
+            out = decode_attention_bf16(
+                self.cpu_kernels, q, k, v, kv_cache, meta.slot_mapping, meta.block_table,
+                meta.seq_lens, self.scale, self.sliding_window, positions, cos_sin,
+            )
+            return self.o_proj(out)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
@@ -84,9 +111,16 @@ class DecoderMLP(nn.Module):
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported; only 'silu' is")
+        self.cpu_kernels: CpuKernels | None = None  # silu(gate) * up in one C call (bf16)
+
+    def attach_cpu_kernels(self, kernels: CpuKernels) -> None:
+        self.cpu_kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.cpu_kernels is not None and gate_up.dtype == torch.bfloat16 and gate_up.dim() == 2:
+            return self.down_proj(silu_mul_bf16(self.cpu_kernels, gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
