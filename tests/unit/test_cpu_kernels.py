@@ -221,3 +221,20 @@ def test_decode_attention_writes_the_cache_and_matches_sdpa(
         (seq_lens - 1).clamp(min=1), scale, window,
     )
     assert not _close(shorter, ref) or (seq_lens == 1).all()
+
+
+@needs_kernel
+def test_write_kv_equals_the_torch_write_and_skips_padding():
+    from ingot.model_executor.layers.attention import write_kv_cache
+
+    torch.manual_seed(7)
+    cache = torch.randn(2, 6, 4, 3, 32).to(torch.bfloat16)
+    qkv = torch.randn(10, 5 * 3 * 32).to(torch.bfloat16)
+    key = qkv[:, 96:192].view(10, 3, 32)  # strided views, as the model passes them
+    value = qkv[:, 192:288].view(10, 3, 32)
+    slots = torch.tensor([4, 5, 6, 7, 8, 9, 10, 11, -1, -1])
+    got, ref = cache.clone(), cache.clone()
+    cpu_kernels.write_kv_bf16(fn, key, value, got, slots)
+    write_kv_cache(ref, key, value, slots)
+    assert torch.equal(got, ref)
+    assert not torch.equal(got, cache)

@@ -15,7 +15,11 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from ingot.model_executor.layers.cpu_kernels import CpuKernels, decode_attention_bf16
+from ingot.model_executor.layers.cpu_kernels import (
+    CpuKernels,
+    decode_attention_bf16,
+    write_kv_bf16,
+)
 
 
 @dataclass
@@ -199,9 +203,13 @@ def paged_attention(
     num_tokens, num_heads, head_dim = query.shape
     if kv_scales is not None and kv_scales.calibrating:
         kv_scales.observe(key, value, meta.num_actual_tokens)
-    write_kv_cache(
-        kv_cache, key, value, meta.slot_mapping, kv_scales, meta.write_slots, meta.write_valid
-    )
+    if cpu_kernels is not None and kv_cache.dtype == torch.bfloat16 == key.dtype:
+        write_kv_bf16(cpu_kernels, key, value, kv_cache, meta.slot_mapping)
+    else:
+        write_kv_cache(
+            kv_cache, key, value, meta.slot_mapping, kv_scales, meta.write_slots,
+            meta.write_valid,
+        )
 
     num_reqs, max_q = meta.num_reqs, meta.max_query_len
     n = meta.num_actual_tokens

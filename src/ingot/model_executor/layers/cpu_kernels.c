@@ -485,3 +485,19 @@ void ingot_argmax_bf16(const uint16_t *x, int64_t *out, int64_t M, int64_t N, in
         out[m] = arg;
     }
 }
+
+/* ---------------------------------------------------------------------------------------- */
+/* The paged cache write of a prefill chunk: k/v rows [T, Hkv*D] (row strides in elements) into
+   caches [num_blocks * block_size, Hkv, D] at slots[t] (-1 = padding, not written). Replaces
+   torch's where + index + index_copy_ per cache (~8 ms per 128-token step, measured). */
+void ingot_write_kv_bf16(const uint16_t *k, int64_t k_stride, const uint16_t *v,
+                         int64_t v_stride, uint16_t *kc, uint16_t *vc, const int64_t *slots,
+                         int64_t T, int64_t row, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T >= 64)
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        memcpy(kc + slot * row, k + t * k_stride, row * 2);
+        memcpy(vc + slot * row, v + t * v_stride, row * 2);
+    }
+}
