@@ -279,6 +279,8 @@ class ModelCompiler:
 
     def _install(self) -> None:
         layers = self.runner.model.model.layers
+        if getattr(self.runner.model, "cpu_decode", None) is not None:
+            self.runner.model.cpu_decode = None  # batch-1 decode runs the compiled layers too
         for module in layers.modules():
             if getattr(module, "packed_weight", None) is not None:
                 # Dynamo cannot trace oneDNN's opaque pre-packed weights: compiled layers use

@@ -208,25 +208,28 @@ static inline void rope_head(const uint16_t *x, const uint16_t *cs, uint16_t *o,
 
 #define ATTN_MAX_D 256
 #define ATTN_MAX_G 16
+#define ATTN_MAX_QH 64 /* query heads one task may hold */
 
-/* sc[g * npad + t - t0] = scale * q_g . k_t for keys t0 <= t < L of kv head j, 16 keys at a time
-   (vdpbf16ps, ST = D/32 steps per key, then one shuffle-tree sum for the 16). Keys are walked
-   block by block (no division per key); rows QK_PREFETCH_KEYS ahead are prefetched, and their
-   value rows (vdelta elements further) into L2 for the p.v pass.
-   q = [G][ATTN_MAX_D] bf16, 64-byte aligned rows. */
-#define QK_PREFETCH_KEYS 32 /* how far ahead key (and value) rows are prefetched */
+/* sc[(h * G + g) * npad + t - t0] = scale * q_(h, g) . k_(t, j0 + h) for keys t0 <= t < L and
+   kv heads j0 .. j0 + nh - 1, 16 keys at a time (vdpbf16ps, ST = D/32 steps per key, then one
+   shuffle-tree sum for the 16). Keys are walked block by block (no division per key), all nh
+   heads of a 16-key group at once so a block's rows are read in order; rows QK_PREFETCH_KEYS
+   ahead are prefetched, and their value rows (vdelta elements further) into L2 for p.v.
+   q = [nh * G][ATTN_MAX_D] bf16, 64-byte aligned rows. */
+#define QK_PREFETCH_KEYS 32
 #define QK_KERNEL(ST)                                                                            \
     static void qk_##ST(const uint16_t *kc, const int64_t *table, int64_t block_size,           \
-                        int64_t Hkv, int64_t j, int64_t D, int64_t t0, int64_t L,               \
+                        int64_t Hkv, int64_t j0, int64_t nh, int64_t D, int64_t t0, int64_t L,  \
                         const uint16_t *q, int64_t G, float scale, float *sc, int64_t npad,     \
                         int64_t vdelta) {                                                        \
+        const int64_t lines = (nh * D * 2 + 63) / 64; /* cache lines of one key's nh heads */    \
         int64_t bi = t0 / block_size, off = t0 % block_size; /* walks the keys */                \
         int64_t pbi = bi, poff = off, pt = t0;                /* walks ahead, prefetching */     \
         for (; pt < L && pt < t0 + QK_PREFETCH_KEYS; pt++) {                                     \
-            const uint16_t *r = kc + ((table[pbi] * block_size + poff) * Hkv + j) * D;           \
-            for (int c = 0; c < ST; c++) {                                                       \
-                _mm_prefetch((const char *)(r + 32 * c), _MM_HINT_T0);                           \
-                _mm_prefetch((const char *)(r + vdelta + 32 * c), _MM_HINT_T1);                  \
+            const char *r = (const char *)(kc + ((table[pbi] * block_size + poff) * Hkv + j0) * D); \
+            for (int64_t c = 0; c < lines; c++) {                                                \
+                _mm_prefetch(r + 64 * c, _MM_HINT_T0);                                           \
+                _mm_prefetch(r + 2 * vdelta + 64 * c, _MM_HINT_T1);                              \
             }                                                                                    \
             if (++poff == block_size) { pbi++; poff = 0; }                                       \
         }                                                                                        \
@@ -234,34 +237,37 @@ static inline void rope_head(const uint16_t *x, const uint16_t *cs, uint16_t *o,
             const int cnt = L - t < 16 ? (int)(L - t) : 16;                                      \
             const uint16_t *kp[16];                                                              \
             for (int i = 0; i < cnt; i++) {                                                      \
-                kp[i] = kc + ((table[bi] * block_size + off) * Hkv + j) * D;                     \
+                kp[i] = kc + ((table[bi] * block_size + off) * Hkv + j0) * D;                    \
                 if (++off == block_size) { bi++; off = 0; }                                      \
             }                                                                                    \
             for (int i = cnt; i < 16; i++) kp[i] = kp[0];                                        \
             for (int i = 0; i < 16 && pt < L; i++, pt++) {                                       \
-                const uint16_t *r = kc + ((table[pbi] * block_size + poff) * Hkv + j) * D;       \
-                for (int c = 0; c < ST; c++) {                                                   \
-                    _mm_prefetch((const char *)(r + 32 * c), _MM_HINT_T0);                       \
-                    _mm_prefetch((const char *)(r + vdelta + 32 * c), _MM_HINT_T1);              \
+                const char *r = (const char *)(kc + ((table[pbi] * block_size + poff) * Hkv + j0) * D); \
+                for (int64_t c = 0; c < lines; c++) {                                            \
+                    _mm_prefetch(r + 64 * c, _MM_HINT_T0);                                       \
+                    _mm_prefetch(r + 2 * vdelta + 64 * c, _MM_HINT_T1);                          \
                 }                                                                                \
                 if (++poff == block_size) { pbi++; poff = 0; }                                   \
             }                                                                                    \
-            for (int64_t g = 0; g < G; g++) {                                                    \
-                __m512bh qv[ST];                                                                 \
-                for (int c = 0; c < ST; c++)                                                     \
-                    qv[c] = (__m512bh)_mm512_load_si512(                                         \
-                        (const void *)(q + g * ATTN_MAX_D + 32 * c));                            \
-                __m512 acc[16];                                                                  \
-                for (int i = 0; i < 16; i++) {                                                   \
-                    acc[i] = _mm512_setzero_ps();                                                \
+            for (int64_t h = 0; h < nh; h++)                                                     \
+                for (int64_t g = 0; g < G; g++) {                                                \
+                    __m512bh qv[ST];                                                             \
                     for (int c = 0; c < ST; c++)                                                 \
-                        acc[i] = _mm512_dpbf16_ps(                                               \
-                            acc[i], (__m512bh)_mm512_loadu_si512((const void *)(kp[i] + 32 * c)), \
-                            qv[c]);                                                              \
+                        qv[c] = (__m512bh)_mm512_load_si512(                                     \
+                            (const void *)(q + (h * G + g) * ATTN_MAX_D + 32 * c));              \
+                    __m512 acc[16];                                                              \
+                    for (int i = 0; i < 16; i++) {                                               \
+                        acc[i] = _mm512_setzero_ps();                                            \
+                        for (int c = 0; c < ST; c++)                                             \
+                            acc[i] = _mm512_dpbf16_ps(                                           \
+                                acc[i],                                                          \
+                                (__m512bh)_mm512_loadu_si512(                                    \
+                                    (const void *)(kp[i] + h * D + 32 * c)),                     \
+                                qv[c]);                                                          \
+                    }                                                                            \
+                    _mm512_storeu_ps(sc + (h * G + g) * npad + (t - t0),                         \
+                                     _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));         \
                 }                                                                                \
-                _mm512_storeu_ps(sc + g * npad + (t - t0),                                       \
-                                 _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));             \
-            }                                                                                    \
         }                                                                                        \
     }
 QK_KERNEL(1)
@@ -351,7 +357,7 @@ PV_KERNEL(16)
    float32, float32 softmax, float32 p.v; out [B, H*D] bf16.
    q/k/v rows are `*_stride` elements apart (so they can be views into a fused qkv output);
    caches [num_blocks, block_size, Hkv, D]; block_table [B, W]; cos_sin [positions, 2, D].
-   scratch: `scratch_per_thread` floats per thread (>= 2 * G * (W * block_size + 16)). */
+   scratch: `scratch_per_thread` floats per thread (>= 2 * H * (W * block_size + 16)). */
 void ingot_decode_attention_bf16(
     const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride, const uint16_t *v,
     int64_t v_stride, const int64_t *positions, const uint16_t *cos_sin, uint16_t *kc,
@@ -359,54 +365,57 @@ void ingot_decode_attention_bf16(
     uint16_t *out, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, int64_t W,
     int64_t window, float scale, float *scratch, int64_t scratch_per_thread, int nthreads) {
     const int64_t G = H / Hkv, steps = D / 32;
-    /* With enough sequences, one task takes all kv heads of a sequence: a token's heads share
-       cache lines, so splitting them across cores reads each line into both (measured 1.4x
-       slower at 64 sequences). Few sequences split by head to keep both cores busy. */
-    const int64_t per_task = B >= 4 * nthreads ? Hkv : 1;
+    /* With enough sequences, one task takes all kv heads of a sequence and reads each block's
+       rows in order (a token's heads share cache lines: split across cores, each line is read
+       into both; measured 1.4x slower at 64 sequences). Few sequences split by kv head to keep
+       every core busy. */
+    const int64_t per_task = B >= 4 * nthreads && H <= ATTN_MAX_QH ? Hkv : 1;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-    for (int64_t task = 0; task < B * Hkv / per_task; task++)
-    for (int64_t jj = 0; jj < per_task; jj++) {
-        const int64_t b = task * per_task / Hkv, j = task * per_task % Hkv + jj;
+    for (int64_t task = 0; task < B * Hkv / per_task; task++) {
+        const int64_t b = task * per_task / Hkv, j0 = task * per_task % Hkv, nh = per_task;
         const uint16_t *cs = positions ? cos_sin + positions[b] * 2 * D : 0;
         /* 1. the new token's k and v into the cache */
         const int64_t slot = slots[b];
-        if (slot >= 0) {
-            uint16_t *kdst = kc + (slot * Hkv + j) * D;
-            const uint16_t *ksrc = k + b * k_stride + j * D;
-            if (cs) rope_head(ksrc, cs, kdst, D);
-            else memcpy(kdst, ksrc, D * 2);
-            memcpy(vc + (slot * Hkv + j) * D, v + b * v_stride + j * D, D * 2);
-        }
-        /* 2. the group's queries, rotated, as bf16 pairs for vdpbf16ps */
-        uint16_t qh[ATTN_MAX_G][ATTN_MAX_D] __attribute__((aligned(64)));
-        for (int64_t g = 0; g < G; g++) {
-            const uint16_t *qsrc = q + b * q_stride + (j * G + g) * D;
-            if (cs) rope_head(qsrc, cs, qh[g], D);
-            else memcpy(qh[g], qsrc, D * 2);
+        if (slot >= 0)
+            for (int64_t j = j0; j < j0 + nh; j++) {
+                uint16_t *kdst = kc + (slot * Hkv + j) * D;
+                const uint16_t *ksrc = k + b * k_stride + j * D;
+                if (cs) rope_head(ksrc, cs, kdst, D);
+                else memcpy(kdst, ksrc, D * 2);
+                memcpy(vc + (slot * Hkv + j) * D, v + b * v_stride + j * D, D * 2);
+            }
+        /* 2. the task's queries (heads j0*G ..), rotated, as bf16 pairs for vdpbf16ps */
+        uint16_t qh[ATTN_MAX_QH][ATTN_MAX_D] __attribute__((aligned(64)));
+        for (int64_t h = 0; h < nh * G; h++) {
+            const uint16_t *qsrc = q + b * q_stride + (j0 * G + h) * D;
+            if (cs) rope_head(qsrc, cs, qh[h], D);
+            else memcpy(qh[h], qsrc, D * 2);
         }
         int64_t L = seq_lens[b];
         if (L > W * block_size) L = W * block_size;
         if (L < 1) L = 1;
         const int64_t t0 = window > 0 && L > window ? L - window : 0, n = L - t0;
-        const int64_t npad = (n + 15) / 16 * 16;
-        float *sc = scratch + (int64_t)omp_get_thread_num() * scratch_per_thread; /* [G, npad] */
-        uint16_t *pb = (uint16_t *)(sc + G * npad); /* [G, npad] bf16 probabilities */
+        const int64_t npad = (n + 15) / 16 * 16, rows = nh * G;
+        float *sc = scratch + (int64_t)omp_get_thread_num() * scratch_per_thread; /* [rows, npad] */
+        uint16_t *pb = (uint16_t *)(sc + rows * npad); /* [rows, npad] bf16 probabilities */
         const int64_t *table = block_table + b * W;
         const int64_t row = Hkv * D; /* elements between consecutive tokens of a block */
         /* 3. scores */
+        const uint16_t *qq = &qh[0][0];
+        const int64_t vd = vc - kc;
         switch (steps) {
-        case 1: qk_1(kc, table, block_size, Hkv, j, D, t0, L, &qh[0][0], G, scale, sc, npad, vc - kc); break;
-        case 2: qk_2(kc, table, block_size, Hkv, j, D, t0, L, &qh[0][0], G, scale, sc, npad, vc - kc); break;
-        case 3: qk_3(kc, table, block_size, Hkv, j, D, t0, L, &qh[0][0], G, scale, sc, npad, vc - kc); break;
-        case 4: qk_4(kc, table, block_size, Hkv, j, D, t0, L, &qh[0][0], G, scale, sc, npad, vc - kc); break;
-        case 5: qk_5(kc, table, block_size, Hkv, j, D, t0, L, &qh[0][0], G, scale, sc, npad, vc - kc); break;
-        case 6: qk_6(kc, table, block_size, Hkv, j, D, t0, L, &qh[0][0], G, scale, sc, npad, vc - kc); break;
-        case 7: qk_7(kc, table, block_size, Hkv, j, D, t0, L, &qh[0][0], G, scale, sc, npad, vc - kc); break;
-        default: qk_8(kc, table, block_size, Hkv, j, D, t0, L, &qh[0][0], G, scale, sc, npad, vc - kc); break;
+        case 1: qk_1(kc, table, block_size, Hkv, j0, nh, D, t0, L, qq, G, scale, sc, npad, vd); break;
+        case 2: qk_2(kc, table, block_size, Hkv, j0, nh, D, t0, L, qq, G, scale, sc, npad, vd); break;
+        case 3: qk_3(kc, table, block_size, Hkv, j0, nh, D, t0, L, qq, G, scale, sc, npad, vd); break;
+        case 4: qk_4(kc, table, block_size, Hkv, j0, nh, D, t0, L, qq, G, scale, sc, npad, vd); break;
+        case 5: qk_5(kc, table, block_size, Hkv, j0, nh, D, t0, L, qq, G, scale, sc, npad, vd); break;
+        case 6: qk_6(kc, table, block_size, Hkv, j0, nh, D, t0, L, qq, G, scale, sc, npad, vd); break;
+        case 7: qk_7(kc, table, block_size, Hkv, j0, nh, D, t0, L, qq, G, scale, sc, npad, vd); break;
+        default: qk_8(kc, table, block_size, Hkv, j0, nh, D, t0, L, qq, G, scale, sc, npad, vd); break;
         }
         /* 4. softmax in float32 */
-        float inv_sum[ATTN_MAX_G];
-        for (int64_t g = 0; g < G; g++) {
+        float inv_sum[ATTN_MAX_QH];
+        for (int64_t g = 0; g < rows; g++) {
             float *sg = sc + g * npad;
             __m512 mx = _mm512_set1_ps(-INFINITY);
             for (int64_t i = 0; i < n; i += 16) {
@@ -424,17 +433,21 @@ void ingot_decode_attention_bf16(
             }
             inv_sum[g] = 1.0f / _mm512_reduce_add_ps(z);
         }
-        /* 5. p.v in float32 (D is a multiple of 32 and at most 256) */
-        uint16_t *o = out + b * H * D + j * G * D;
-        switch (D / 16) {
-        case 2: pv_2(vc, table, block_size, row, j, D, t0, L, pb, npad, G, inv_sum, o); break;
-        case 4: pv_4(vc, table, block_size, row, j, D, t0, L, pb, npad, G, inv_sum, o); break;
-        case 6: pv_6(vc, table, block_size, row, j, D, t0, L, pb, npad, G, inv_sum, o); break;
-        case 8: pv_8(vc, table, block_size, row, j, D, t0, L, pb, npad, G, inv_sum, o); break;
-        case 10: pv_10(vc, table, block_size, row, j, D, t0, L, pb, npad, G, inv_sum, o); break;
-        case 12: pv_12(vc, table, block_size, row, j, D, t0, L, pb, npad, G, inv_sum, o); break;
-        case 14: pv_14(vc, table, block_size, row, j, D, t0, L, pb, npad, G, inv_sum, o); break;
-        default: pv_16(vc, table, block_size, row, j, D, t0, L, pb, npad, G, inv_sum, o); break;
+        for (int64_t j = j0; j < j0 + nh; j++) {
+            const uint16_t *pj = pb + (j - j0) * G * npad;
+            const float *ij = inv_sum + (j - j0) * G;
+            /* 5. p.v in float32 (D is a multiple of 32 and at most 256) */
+            uint16_t *o = out + b * H * D + j * G * D;
+            switch (D / 16) {
+            case 2: pv_2(vc, table, block_size, row, j, D, t0, L, pj, npad, G, ij, o); break;
+            case 4: pv_4(vc, table, block_size, row, j, D, t0, L, pj, npad, G, ij, o); break;
+            case 6: pv_6(vc, table, block_size, row, j, D, t0, L, pj, npad, G, ij, o); break;
+            case 8: pv_8(vc, table, block_size, row, j, D, t0, L, pj, npad, G, ij, o); break;
+            case 10: pv_10(vc, table, block_size, row, j, D, t0, L, pj, npad, G, ij, o); break;
+            case 12: pv_12(vc, table, block_size, row, j, D, t0, L, pj, npad, G, ij, o); break;
+            case 14: pv_14(vc, table, block_size, row, j, D, t0, L, pj, npad, G, ij, o); break;
+            default: pv_16(vc, table, block_size, row, j, D, t0, L, pj, npad, G, ij, o); break;
+            }
         }
     }
 }

@@ -238,7 +238,7 @@ def decode_attention_bf16(
     slots = slot_mapping.to(torch.int64).contiguous()
     width = block_table.shape[1]
     threads = torch.get_num_threads()
-    per_thread = 2 * (num_heads // num_kv_heads) * (width * block_size + 16)
+    per_thread = 2 * num_heads * (width * block_size + 16)  # scores + bf16 probabilities
     scratch = torch.empty(threads * per_thread, dtype=torch.float32)
     out = torch.empty(num_reqs, num_heads * head_dim, dtype=torch.bfloat16)
     if positions is not None:

@@ -51,6 +51,8 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         "INGOT_DISABLE_PACKED_LINEAR"
     ):
         pack_linear_weights(model)
+        if hasattr(model, "enable_cpu_decode"):
+            model.enable_cpu_decode()
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     logger.info(
         "loaded %s (%s, %.1f MB) in %.2fs",

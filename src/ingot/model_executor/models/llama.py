@@ -203,6 +203,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.sliding_window = window
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.cpu_decode: Any = None  # LlamaCpuDecode, set by enable_cpu_decode()
         self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size)
         if self.tie_word_embeddings:
             # One shared parameter (named_parameters reports it once, as the embedding), so the
@@ -224,7 +225,18 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        fast = self.cpu_decode
+        if fast is not None and fast.applies(input_ids, kv_caches, meta):
+            return fast.forward(input_ids, positions, kv_caches, meta)
         return self.model(input_ids, positions, kv_caches, meta)
+
+    def enable_cpu_decode(self) -> bool:
+        """Batch-1 decode through ingot's CPU kernels without module dispatch (after packing;
+        llama_cpu_decode.py). Returns whether every layer could take it."""
+        from ingot.model_executor.models.llama_cpu_decode import LlamaCpuDecode
+
+        self.cpu_decode = LlamaCpuDecode.build(self)
+        return self.cpu_decode is not None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
