@@ -5,7 +5,7 @@ few hundred small elementwise ops whose cost is dispatch, not arithmetic. Measur
 project's 2-core machine (single-stream decode of the default model):
 - ``gemv``: the weight pre-packed in blocks of 8 rows (:func:`pack_gemv_weight`) streams at
   ~20 GB/s against ~13.5 GB/s for a row-major walk and ~8.5 GB/s for oneDNN's packed linear on
-  these 0.6-3.5 MB matrices. Used for single rows; from 2 rows on oneDNN's AMX path is faster.
+  these 0.6-3.5 MB matrices. Used up to GEMV_MAX_ROWS rows; beyond, oneDNN's AMX path is faster.
 - ``decode_attention``: rotary, the KV-cache write and attention over the paged cache (no
   gather) in one call per layer; q.k with ``vdpbf16ps`` 16 keys at a time, float32 softmax.
 - ``rms_norm`` (with the residual add) and ``silu_mul``: one call instead of 9 and 3 torch ops.
@@ -34,9 +34,10 @@ import torch
 
 logger = logging.getLogger("ingot")
 
-# Rows of x sent to the GEMV kernel. Measured over a model's worth of weights: faster than
-# oneDNN's packed linear at 1 row, slower from 2 rows on (oneDNN's AMX path takes over there).
-GEMV_MAX_ROWS = 1
+# Rows of x sent to the GEMV kernel. Measured over a model's worth of weights (120 matrices):
+# 11.1 / 13.0 / 16.0 ms for 1 / 2 / 3 rows against oneDNN's 17.7 / 16.9 / 19.3; even at 4 rows
+# and slower from 6 (oneDNN's AMX path takes over there).
+GEMV_MAX_ROWS = 3
 GEMV_BLOCK_ROWS, GEMV_BLOCK_K = 8, 32  # the packed layout (GEMV_ROWS in the C source)
 # Limits of the decode-attention kernel's fixed-size buffers and vdpbf16ps steps.
 ATTN_MAX_HEAD_DIM, ATTN_MAX_GROUP = 256, 16
