@@ -216,6 +216,19 @@ static inline void rope_head(const uint16_t *x, const uint16_t *cs, uint16_t *o,
    heads of a 16-key group at once so a block's rows are read in order; rows QK_PREFETCH_KEYS
    ahead are prefetched, and their value rows (vdelta elements further) into L2 for p.v.
    q = [nh * G][ATTN_MAX_D] bf16, 64-byte aligned rows. */
+/* Prefetch one key's rows (kv heads j0.., `lines` cache lines) into L1 and its value rows
+   (vdelta elements further) into L2, then advance the (block, offset) walker. */
+static inline void prefetch_key(const uint16_t *kc, const int64_t *table, int64_t block_size,
+                                int64_t Hkv, int64_t j0, int64_t D, int64_t lines,
+                                int64_t vdelta, int64_t *bi, int64_t *off) {
+    const char *r = (const char *)(kc + ((table[*bi] * block_size + *off) * Hkv + j0) * D);
+    for (int64_t c = 0; c < lines; c++) {
+        _mm_prefetch(r + 64 * c, _MM_HINT_T0);
+        _mm_prefetch(r + 2 * vdelta + 64 * c, _MM_HINT_T1);
+    }
+    if (++*off == block_size) { ++*bi; *off = 0; }
+}
+
 #define QK_PREFETCH_KEYS 32
 #define QK_KERNEL(ST)                                                                            \
     static void qk_##ST(const uint16_t *kc, const int64_t *table, int64_t block_size,           \
@@ -225,14 +238,8 @@ static inline void rope_head(const uint16_t *x, const uint16_t *cs, uint16_t *o,
         const int64_t lines = (nh * D * 2 + 63) / 64; /* cache lines of one key's nh heads */    \
         int64_t bi = t0 / block_size, off = t0 % block_size; /* walks the keys */                \
         int64_t pbi = bi, poff = off, pt = t0;                /* walks ahead, prefetching */     \
-        for (; pt < L && pt < t0 + QK_PREFETCH_KEYS; pt++) {                                     \
-            const char *r = (const char *)(kc + ((table[pbi] * block_size + poff) * Hkv + j0) * D); \
-            for (int64_t c = 0; c < lines; c++) {                                                \
-                _mm_prefetch(r + 64 * c, _MM_HINT_T0);                                           \
-                _mm_prefetch(r + 2 * vdelta + 64 * c, _MM_HINT_T1);                              \
-            }                                                                                    \
-            if (++poff == block_size) { pbi++; poff = 0; }                                       \
-        }                                                                                        \
+        for (; pt < L && pt < t0 + QK_PREFETCH_KEYS; pt++)                                       \
+            prefetch_key(kc, table, block_size, Hkv, j0, D, lines, vdelta, &pbi, &poff);         \
         for (int64_t t = t0; t < L; t += 16) {                                                   \
             const int cnt = L - t < 16 ? (int)(L - t) : 16;                                      \
             const uint16_t *kp[16];                                                              \
@@ -241,14 +248,8 @@ static inline void rope_head(const uint16_t *x, const uint16_t *cs, uint16_t *o,
                 if (++off == block_size) { bi++; off = 0; }                                      \
             }                                                                                    \
             for (int i = cnt; i < 16; i++) kp[i] = kp[0];                                        \
-            for (int i = 0; i < 16 && pt < L; i++, pt++) {                                       \
-                const char *r = (const char *)(kc + ((table[pbi] * block_size + poff) * Hkv + j0) * D); \
-                for (int64_t c = 0; c < lines; c++) {                                            \
-                    _mm_prefetch(r + 64 * c, _MM_HINT_T0);                                       \
-                    _mm_prefetch(r + 2 * vdelta + 64 * c, _MM_HINT_T1);                          \
-                }                                                                                \
-                if (++poff == block_size) { pbi++; poff = 0; }                                   \
-            }                                                                                    \
+            for (int i = 0; i < 16 && pt < L; i++, pt++)                                         \
+                prefetch_key(kc, table, block_size, Hkv, j0, D, lines, vdelta, &pbi, &poff);     \
             for (int64_t h = 0; h < nh; h++)                                                     \
                 for (int64_t g = 0; g < G; g++) {                                                \
                     __m512bh qv[ST];                                                             \
