@@ -138,6 +138,7 @@ class LlamaCpuDecode:
         tail_args = (slots.data_ptr(), table.data_ptr(), seq_lens.data_ptr(), attnp, 1, heads,
                      kv_heads, head_dim, block_size, width)
 
+        value_offset = kv_caches[0][0].numel() * 2  # bytes from a cache's keys to its values
         embedded = self.model.model.embed_tokens(input_ids.view(1))
         rms, gemv, attend, silu = k.rms_norm, k.gemv, k.decode_attention, k.silu_mul
         residual_in = embedded.data_ptr()  # layer 0: residual = the embedding, no add
@@ -150,7 +151,7 @@ class LlamaCpuDecode:
                 rms(residual_in, None, in_w, xp, None, 1, hidden, in_eps, threads)
             gemv(xp, qkv_w, qkv_b, qkvp, 1, qkv_size, hidden, threads)
             kc = cache.data_ptr()
-            vc = kc + cache[0].numel() * 2
+            vc = kc + value_offset
             attend(qkvp, qkv_size, qkvp + q_bytes, qkv_size, qkvp + q_bytes + kv_bytes, qkv_size,
                    *step_args, kc, vc, *tail_args, window, scale, scratch.data_ptr(), per_thread,
                    threads)
