@@ -207,7 +207,6 @@ static inline void rope_head(const uint16_t *x, const uint16_t *cs, uint16_t *o,
 }
 
 #define ATTN_MAX_D 256
-#define ATTN_MAX_G 16
 #define ATTN_MAX_QH 64 /* query heads one task may hold */
 
 /* sc[(h * G + g) * npad + t - t0] = scale * q_(h, g) . k_(t, j0 + h) for keys t0 <= t < L and

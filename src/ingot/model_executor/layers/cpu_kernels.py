@@ -203,11 +203,20 @@ def decode_attention_supported(num_heads: int, num_kv_heads: int, head_dim: int)
     )
 
 
-def _rows(t: torch.Tensor, width: int) -> tuple[torch.Tensor, int]:
-    """A [T, ..., width-wide row] view whose rows may be strided: (tensor, row stride)."""
+def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A [T, heads, head_dim] (or [T, n]) view whose rows may be strided, with each row's heads
+    contiguous: (tensor, row stride in elements); copied when that does not hold."""
     if t.stride(-1) != 1 or (t.dim() == 3 and t.stride(1) != t.shape[2]):
         t = t.contiguous()
     return t, t.stride(0)
+
+
+def attention_scratch(num_heads: int, max_keys: int, threads: int) -> tuple[torch.Tensor, int]:
+    """The decode-attention kernel's float32 work space: per thread, the scores and the bf16
+    probabilities of up to ``num_heads`` query heads over ``max_keys`` keys (padded to 16).
+    Returns (buffer, floats per thread)."""
+    per_thread = 2 * num_heads * (max_keys + 16)
+    return torch.empty(threads * per_thread, dtype=torch.float32), per_thread
 
 
 def decode_attention_bf16(
@@ -231,16 +240,15 @@ def decode_attention_bf16(
     ``cos_sin`` ([max_position, 2, D] bf16) q and k are rotated first (NeoX). -> [B, H * D]."""
     num_reqs, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
-    query, q_stride = _rows(query, head_dim)
-    key, k_stride = _rows(key, head_dim)
-    value, v_stride = _rows(value, head_dim)
+    query, q_stride = _rows(query)
+    key, k_stride = _rows(key)
+    value, v_stride = _rows(value)
     block_table = block_table.to(torch.int64).contiguous()
     seq_lens = seq_lens.to(torch.int64).contiguous()
     slots = slot_mapping.to(torch.int64).contiguous()
     width = block_table.shape[1]
     threads = torch.get_num_threads()
-    per_thread = 2 * num_heads * (width * block_size + 16)  # scores + bf16 probabilities
-    scratch = torch.empty(threads * per_thread, dtype=torch.float32)
+    scratch, per_thread = attention_scratch(num_heads, width * block_size, threads)
     out = torch.empty(num_reqs, num_heads * head_dim, dtype=torch.bfloat16)
     if positions is not None:
         positions = positions.to(torch.int64).contiguous()
@@ -273,8 +281,8 @@ def write_kv_bf16(
     """key/value [T, Hkv, D] bf16 (rows may be strided) into kv_cache [2, num_blocks,
     block_size, Hkv, D] at slot_mapping (-1 = not written)."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
-    key, k_stride = _rows(key, head_dim)
-    value, v_stride = _rows(value, head_dim)
+    key, k_stride = _rows(key)
+    value, v_stride = _rows(value)
     slots = slot_mapping.to(torch.int64).contiguous()
     kernels.write_kv(
         key.data_ptr(), k_stride, value.data_ptr(), v_stride, kv_cache[0].data_ptr(),

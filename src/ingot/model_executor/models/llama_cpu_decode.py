@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ingot.model_executor.layers.attention import AttentionMetadata
-from ingot.model_executor.layers.cpu_kernels import CpuKernels
+from ingot.model_executor.layers.cpu_kernels import CpuKernels, attention_scratch
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -132,8 +132,7 @@ class LlamaCpuDecode:
         positions = positions.to(torch.int64).contiguous()
         block_size = kv_caches[0].shape[2]
         width = table.shape[1]
-        per_thread = 2 * heads * (width * block_size + 16)
-        scratch = torch.empty(threads * per_thread, dtype=torch.float32)
+        scratch, per_thread = attention_scratch(heads, width * block_size, threads)
         step_args = (positions.data_ptr(), self.cos_sin.data_ptr())
         tail_args = (slots.data_ptr(), table.data_ptr(), seq_lens.data_ptr(), attnp, 1, heads,
                      kv_heads, head_dim, block_size, width)
