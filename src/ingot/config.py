@@ -113,6 +113,8 @@ class CompilationConfig:
     cache_root: str | None = None
     #: Hit-only (a miss raises CompileCacheMissError); None: $INGOT_DISABLE_WARMUP_COMPILE=1.
     hit_only: bool | None = None
+    #: Capture every decode bucket's forward as a CUDA graph (CUDA, bucketing on, not eager).
+    cuda_graphs: bool = False
 
 
 @dataclass
@@ -352,6 +354,8 @@ class EngineArgs:
             enabled=enabled,
             enable_fx_passes=bool(self.enable_fx_passes),
             cache_root=self.cache_dir,
+            # As vLLM: graphs unless --enforce-eager, whether or not the layers are compiled.
+            cuda_graphs=platform_name == "cuda" and not self.enforce_eager and buckets.enabled,
         )
 
     @classmethod

@@ -69,14 +69,13 @@ def hf_logits(hf_model: Any, token_ids: list[int]) -> torch.Tensor:
 
 
 def hf_greedy(hf_model: Any, prompt: list[int], n: int) -> list[int]:
-    """Greedy continuation that ignores EOS (like ignore_eos=True), via HF's KV cache.
-    (generate()'s min_new_tokens would instead forbid EOS, a different distribution.)"""
+    """Greedy continuation that ignores EOS (like ignore_eos=True), each step over the whole
+    sequence: no HF KV cache, whose call signature has changed between transformers releases
+    (an ignored keyword silently dropped the cache on 5.17). (generate()'s min_new_tokens would
+    instead forbid EOS, a different distribution.)"""
     tokens: list[int] = []
     with torch.no_grad():
-        out = hf_model(torch.tensor([prompt]), use_cache=True)
         for _ in range(n):
-            tokens.append(int(out.logits[0, -1].argmax()))
-            out = hf_model(
-                torch.tensor([[tokens[-1]]]), cache=out.past_key_values, use_cache=True
-            )
+            logits = hf_model(torch.tensor([prompt + tokens]), use_cache=False).logits
+            tokens.append(int(logits[0, -1].argmax()))
     return tokens

@@ -9,7 +9,7 @@ import torch
 from ingot.compilation.cache import CompileCacheMissError
 from ingot.compilation.model_compiler import (
     ModelCompiler,
-    _scheduler_output,
+    warmup_scheduler_output,
     warmup_shapes,
 )
 from ingot.config import EngineArgs
@@ -57,7 +57,7 @@ def test_warmup_inputs_have_the_bucket_shapes(tiny_llama_dir):
     cfg = _config(tiny_llama_dir, additional_config={"decode_context_length_buckets": [128]})
     worker = Worker(cfg)
     for shape in warmup_shapes(cfg):
-        ids, _, meta, _ = worker.model_runner.prepare_inputs(_scheduler_output(shape))
+        ids, _, meta, _ = worker.model_runner.prepare_inputs(warmup_scheduler_output(shape))
         assert ids.shape[0] == shape.num_tokens
         assert tuple(meta.block_table.shape) == (shape.num_reqs, shape.width), shape
 
@@ -76,7 +76,7 @@ def test_backend_pipeline_matches_eager_and_layers_share_one_graph(
     torch.manual_seed(0)
     inputs = []
     for shape in shapes:
-        ids, pos, meta, _ = runner.prepare_inputs(_scheduler_output(shape))
+        ids, pos, meta, _ = runner.prepare_inputs(warmup_scheduler_output(shape))
         ids = torch.randint(3, 250, ids.shape)
         inputs.append((ids, pos, meta))
     with torch.inference_mode():

@@ -3,8 +3,9 @@
 Dynamo hands the backend one graph per bucket shape (``dynamic=False`` semantics: every bucket
 dimension is specialised). The backend runs the FX pass manager (device rewrite, aliasing-output
 rewrite, in-place -> out-of-place, then the in-graph copy-back so the KV cache is still updated
-in place by Inductor) and lowers the result with ``compile_fx``. On CUDA, decode buckets are
-additionally captured as CUDA graphs (Inductor's ``triton.cudagraphs``).
+in place by Inductor) and lowers the result with ``compile_fx``. CUDA graphs are not Inductor's
+business here: its cudagraph trees refuse graphs that mutate an input (the KV cache), so the
+worker captures the whole decode forward per bucket itself (worker/cuda_graphs.py).
 
 What counts as a *compilation* is a real Inductor compile: ``compile_fx`` that was not served by
 Inductor's FX graph cache (its ``fxgraph_cache_miss``/``fxgraph_cache_bypass`` counters move).
@@ -101,12 +102,7 @@ class IngotBackend:
         gm = self.pass_manager.run_passes(gm)
         misses0, hits0 = _inductor_counts()
         lower = self._lower or compile_fx
-        config_patches: dict[str, Any] = {}
-        if self.device_type == "cuda" and label.startswith("decode"):
-            # Decode is launch-bound on GPU: replay each decode bucket as one CUDA graph.
-            config_patches["triton.cudagraphs"] = True
-        compiled = (lower(gm, list(example_inputs), config_patches=config_patches)
-                    if config_patches else lower(gm, list(example_inputs)))
+        compiled = lower(gm, list(example_inputs))
         misses1, hits1 = _inductor_counts()
         elapsed = time.perf_counter() - start
         compiled_now = misses1 - misses0

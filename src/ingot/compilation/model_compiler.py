@@ -123,7 +123,7 @@ def warmup_shapes(config: EngineConfig) -> list[WarmupShape]:
     return shapes
 
 
-def _scheduler_output(shape: WarmupShape) -> Any:
+def warmup_scheduler_output(shape: WarmupShape) -> Any:
     """A SchedulerOutput of dummy requests with this shape, all blocks the null block."""
     from ingot.core.kv_cache_manager import NULL_BLOCK_ID
     from ingot.core.sched_output import ScheduledRequest, SchedulerOutput
@@ -316,7 +316,7 @@ class ModelCompiler:
         for shape in bar:
             bar.set_postfix_str(shape.label)
             self.backend.label = shape.label
-            input_ids, positions, meta, _ = runner.prepare_inputs(_scheduler_output(shape))
+            input_ids, positions, meta, _ = runner.prepare_inputs(warmup_scheduler_output(shape))
             runner.model(input_ids, positions, runner.kv_caches, meta)
         bar.close()
         self.backend.label = "serving"

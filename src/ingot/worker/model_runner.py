@@ -25,6 +25,7 @@ from ingot.model_executor.layers.sampler import (
     SamplingMetadata,
     compute_prompt_logprobs,
 )
+from ingot.worker.cuda_graphs import CaptureFn, DecodeGraphs
 
 logger = logging.getLogger("ingot")
 
@@ -99,6 +100,28 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.grid = config.buckets
         self.stats = BucketStats.for_grid(self.grid)
+        self.decode_graphs: DecodeGraphs | None = None
+
+    @torch.inference_mode()
+    def capture_decode_graphs(self, capture: CaptureFn | None = None) -> DecodeGraphs:
+        """Capture every decode bucket of the grid (largest first, as the later, smaller graphs
+        then fit in the memory pool the first ones grew); decode steps replay them from now on."""
+        from ingot.compilation.model_compiler import warmup_scheduler_output, warmup_shapes
+
+        graphs = DecodeGraphs(lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta),
+                              capture)
+        shapes = [s for s in warmup_shapes(self.config) if s.kind == "decode"]
+        for shape in sorted(shapes, key=lambda s: (-s.num_reqs, -s.width)):
+            input_ids, positions, meta, _ = self.prepare_inputs(warmup_scheduler_output(shape))
+            graphs.capture(input_ids, positions, meta)
+        # The dummy steps wrote K/V into the null block and counted as steps: undo both.
+        for kv_cache in self.kv_caches:
+            kv_cache[:, NULL_BLOCK_ID].zero_()
+        self.stats = BucketStats.for_grid(self.grid)
+        self.decode_graphs = graphs
+        logger.info("CUDA graphs: %d decode buckets captured in %.1f s", len(graphs.graphs),
+                    graphs.capture_seconds)
+        return graphs
 
     def _register(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
@@ -191,7 +214,11 @@ class ModelRunner:
         if so.is_empty:
             return ModelRunnerOutput([], [])
         input_ids, positions, meta, last_rows = self.prepare_inputs(so)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = None
+        if self.decode_graphs is not None and not so.is_prefill:
+            hidden = self.decode_graphs.replay(input_ids, positions, meta)
+        if hidden is None:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
         # Which hidden rows need logits: the last real token of each sampling request, and
         # every real token of a prefill chunk whose request asked for prompt logprobs.

@@ -200,6 +200,8 @@ class Worker:
 
             self.compiler = ModelCompiler(config, self.model_runner)
             self.compile_seconds = self.compiler.compile_and_warmup().seconds
+        if config.compilation.cuda_graphs:
+            self.model_runner.capture_decode_graphs()
 
     def compile_stats(self) -> dict[str, Any]:
         """Compilation counters (plain numbers; all zero when running eagerly)."""
