@@ -98,6 +98,7 @@ def test_warm_start_from_ingot_compile_compiles_nothing_and_matches_eager(
     ready = time.perf_counter() - start
     stats = _compile_stats(llm)
     assert stats["compilations"] == 0 and stats["cache_hits"] == stats["graphs"] == 3
+    assert stats["backend_calls"] == 0  # precompiled buckets: not even a Dynamo trace
     warm_seconds = llm.llm_engine.engine_core.executor.worker.compiler.summary.seconds
     # The count above is the real evidence; the ratio is loose (a loaded 2-core machine).
     assert cold_seconds >= 5 * warm_seconds, (cold_seconds, warm_seconds, ready)
@@ -113,7 +114,7 @@ def test_warm_start_from_ingot_compile_compiles_nothing_and_matches_eager(
     logits = []
     for engine in (llm, eager):
         runner = engine.llm_engine.engine_core.executor.worker.model_runner
-        with torch.inference_mode():  # as the runner does: inference tensors, same guards
+        with runner.grad_mode():  # as the runner does (same tensor kinds, same guards)
             ids, pos, meta, _ = runner.prepare_inputs(step)
             hidden = runner.model(ids, pos, runner.kv_caches, meta)
             logits.append(runner.model.compute_logits(hidden[:100]))

@@ -9,12 +9,20 @@
   the graphs (and the cache) differ from one start to the next.
 * **Warmup:** runs the model once per distinct bucket shape through ``ModelRunner.prepare_inputs``
   itself (so the warmup sees exactly the inputs serving will), before the engine reports ready.
+* **Precompiled buckets:** each bucket is compiled ahead of time with Dynamo's precompile
+  (``aot_compile``: the traced bytecode, its guards and Inductor's output, serialisable) from
+  example inputs of its shape, and saved as one file. A warm start loads those files instead of
+  re-tracing every graph with Dynamo (which cost ~1 s a bucket, most of a warm start), and a
+  layer call picks its bucket's function by shape (its guards still checked). A shape outside
+  the table goes through ``torch.compile`` as usual, so it is traced, compiled and counted. FP8
+  caches (whose per-layer scales are baked into the graphs) and a torch without precompile use
+  the traced warmup instead.
 * **Persistence:** Inductor's own FX graph and AOTAutograd caches live under
   ``$INGOT_CACHE_ROOT/inductor``. On top, one :class:`CompileCache` entry per (model, grid,
-  toolchain) key holds ``torch.compiler.save_cache_artifacts()`` (the portable "mega-cache") plus
-  the CPU kernel binaries that the mega-cache does not carry (on CPU it holds the C++ sources
-  only, so a fresh host would rebuild every kernel). A hit loads both, and the warmup is then
-  served from Inductor's caches: zero compilations.
+  toolchain) key holds the precompiled buckets (``aot/``), ``torch.compiler.save_cache_artifacts()``
+  (the portable "mega-cache") and the CPU kernel binaries neither carries (on CPU they hold the
+  C++ sources only, so a fresh host would rebuild every kernel). A hit loads them: zero
+  compilations, zero traces.
 """
 
 from __future__ import annotations
@@ -45,6 +53,12 @@ logger = logging.getLogger("ingot")
 MEGA_CACHE_FILE = "torch_cache_artifacts.bin"
 KERNELS_DIR = "kernels"
 MANIFEST_FILE = "manifest.json"
+PRECOMPILED_DIR = "aot"
+
+
+def precompile_supported() -> bool:
+    """Whether this torch can save and load Dynamo-precompiled functions (torch >= 2.10)."""
+    return hasattr(torch.compiler, "load_compiled_function")
 
 
 @dataclass(frozen=True)
@@ -151,8 +165,10 @@ def _source_digest() -> str:
     return h.hexdigest()
 
 
-def grid_cache_key(config: EngineConfig, shapes: list[WarmupShape], backend: IngotBackend) -> str:
-    """The compile cache key of a whole warmup: model, dtypes, grid, code, options, platform."""
+def grid_cache_key(config: EngineConfig, shapes: list[WarmupShape], backend: IngotBackend,
+                   precompile: bool = False) -> str:
+    """The compile cache key of a whole warmup: model, dtypes, grid, code, options, platform,
+    and whether the entry holds precompiled buckets."""
     hf = config.model_config.hf_config
     hf_doc = hf.to_json_string() if hasattr(hf, "to_json_string") else repr(hf)
     document = json.dumps({
@@ -164,7 +180,7 @@ def grid_cache_key(config: EngineConfig, shapes: list[WarmupShape], backend: Ing
         "source": _source_digest(),
     }, sort_keys=True)
     options = {"enable_fx_passes": backend.enable_fx_passes, "dynamic": False,
-               "unit": "decoder_layer", "lowering": "inductor"}
+               "unit": "decoder_layer", "lowering": "inductor", "precompiled": precompile}
     platform = config.device
     if config.device == "cuda" and torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
@@ -272,8 +288,18 @@ class ModelCompiler:
         self.backend = IngotBackend(runner.device.type, cc.enable_fx_passes,
                                     hit_only=self.cache.hit_only)
         self.shapes = warmup_shapes(config)
-        self.key = grid_cache_key(config, self.shapes, self.backend)
+        # FP8 scales differ per layer and are graph constants: layer 0's graphs would not serve
+        # the others, so FP8 caches keep the traced warmup (which runs every layer).
+        self.precompile = (precompile_supported()
+                           and not config.cache_config.kv_cache_dtype.startswith("fp8"))
+        self.key = grid_cache_key(config, self.shapes, self.backend, self.precompile)
         self.summary: WarmupSummary | None = None
+        #: Precompiled function per bucket signature (num_tokens, num_reqs, width).
+        self.functions: dict[tuple[int, int, int], Any] = {}
+        if self.precompile:
+            # Precompiled guards are restored expecting ordinary tensors (torch 2.13 does not
+            # keep inference-mode dispatch keys): trace and serve without inference mode.
+            runner.grad_mode = torch.no_grad
         _configure_dynamo(len(self.shapes))
         self._install()
 
@@ -291,6 +317,8 @@ class ModelCompiler:
                 module.cpu_kernels = None  # ctypes kernels are opaque to Dynamo too
         compiled = torch.compile(_fresh_function(_run_layer), backend=self.backend,
                                  fullgraph=True, dynamic=None)
+        self.compiled = compiled
+        functions = self.functions
         for layer in layers:
             def forward(positions: torch.Tensor, hidden: torch.Tensor,
                         residual: torch.Tensor | None, kv_cache: torch.Tensor, meta: Any,
@@ -299,11 +327,20 @@ class ModelCompiler:
                     # The first layer gets residual = 0 (x + 0 == x exactly), so it runs the
                     # same graph as every other layer instead of a second one.
                     residual = torch.zeros_like(hidden)
-                return compiled(_layer, positions, hidden, residual, kv_cache, meta)
+                args = (_layer, positions, hidden, residual, kv_cache, meta)
+                fn = functions.get((hidden.shape[0], meta.num_reqs, meta.block_table.shape[1]))
+                if fn is not None and fn.guard_check(*args):
+                    return fn(*args)
+                return compiled(*args)
 
             layer.forward = forward
+
+    def _mark_kv_dynamic(self) -> None:
+        """Before tracing: the block count follows the memory budget, so it stays symbolic in
+        the graphs (and out of the keys). Loaded precompiled functions expect unmarked caches
+        (the marking is a tensor attribute their restored guards check for), so a warm start
+        does not call this."""
         for kv_cache in self.runner.kv_caches:
-            # The block count follows the memory budget: keep it out of the graphs and keys.
             torch._dynamo.mark_dynamic(kv_cache, 1)
 
     @torch.inference_mode()
@@ -328,6 +365,57 @@ class ModelCompiler:
 
         runner.stats = BucketStats.for_grid(self.config.buckets)
 
+    def _example_inputs(self, shape: WarmupShape) -> tuple[Any, ...]:
+        """Layer-0 arguments of this bucket's shape (what the warmup's first layer would get)."""
+        runner = self.runner
+        _, positions, meta, _ = runner.prepare_inputs(warmup_scheduler_output(shape))
+        hf = self.config.model_config.hf_config
+        hidden = torch.zeros(shape.num_tokens, hf.hidden_size,
+                             dtype=self.config.model_config.dtype, device=runner.device)
+        return (runner.model.model.layers[0], positions, hidden, torch.zeros_like(hidden),
+                runner.kv_caches[0], meta)
+
+    def _precompile(self, entry: Path) -> None:
+        """Trace and compile every bucket ahead of time into ``entry/aot/<label>.bin``."""
+        from tqdm import tqdm
+
+        directory = entry / PRECOMPILED_DIR
+        directory.mkdir(exist_ok=True)
+        bar = tqdm(self.shapes, desc="compiling buckets", unit="graph", disable=not self.progress,
+                   leave=False)
+        # The saved guards pickle the example layer's state; its dispatching forward (an
+        # instance attribute, see _install) reaches the functions compiled so far, whose guard
+        # managers cannot be pickled. The compiled code never calls it: set it aside meanwhile.
+        layer = self.runner.model.model.layers[0]
+        dispatch = layer.__dict__.pop("forward")
+        try:
+            with self.runner.grad_mode():
+                for shape in bar:
+                    bar.set_postfix_str(shape.label)
+                    self.backend.label = shape.label
+                    fn = self.compiled.aot_compile((self._example_inputs(shape), {}))
+                    fn.save_compiled_function(str(directory / f"{shape.label}.bin"))
+                    self._use(shape, fn)
+        finally:
+            layer.forward = dispatch
+        bar.close()
+        self.backend.label = "serving"
+
+    def _load_precompiled(self, entry: Path) -> bool:
+        """Load every bucket's precompiled function; False if the entry has none."""
+        directory = entry / PRECOMPILED_DIR
+        if not directory.is_dir():
+            return False
+        for shape in self.shapes:
+            with open(directory / f"{shape.label}.bin", "rb") as f:
+                self._use(shape, torch.compiler.load_compiled_function(f))
+        self.backend.stats.cache_hits += len(self.shapes)
+        return True
+
+    def _use(self, shape: WarmupShape, fn: Any) -> None:
+        fn.disable_guard_check()  # the layer forward checks them once before calling
+        self.functions[shape.signature] = fn
+
     def compile_and_warmup(self) -> WarmupSummary:
         """Compile (or load) every bucket's graph; returns the one-line summary's figures."""
         start = time.perf_counter()
@@ -336,21 +424,28 @@ class ModelCompiler:
         def build(entry: Path) -> None:
             nonlocal built
             since = time.time() - 1
-            self._warmup()
+            self._mark_kv_dynamic()
+            if self.precompile:
+                self._precompile(entry)
+            else:
+                self._warmup()
             built = True
             export_artifacts(entry, self.inductor_dir, since)
 
         def load(entry: Path) -> str:
             if not built:
                 import_artifacts(entry, self.inductor_dir)
+                if self.precompile:
+                    self._load_precompiled(entry)
             return "built" if built else "hit"
 
         stats_before = self.cache.stats.remote_hits
         result = self.cache.get_or_create(self.key, build, load, label="grid")
         if self.cache.stats.remote_hits > stats_before:
             result = "remote"
-        if not built:
-            self._warmup()
+        if not built and not self.functions:
+            self._mark_kv_dynamic()
+            self._warmup()  # traced warmup, served from Inductor's caches
         self.backend.warmed_up = True
         s = self.backend.stats
         self.summary = WarmupSummary(

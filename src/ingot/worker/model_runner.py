@@ -8,7 +8,10 @@ slot mapping and block table are built with tensor ops, O(tokens) with no per-to
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -101,8 +104,10 @@ class ModelRunner:
         self.grid = config.buckets
         self.stats = BucketStats.for_grid(self.grid)
         self.decode_graphs: DecodeGraphs | None = None
+        #: Autograd-free mode of every forward. Precompiled layers switch it to no_grad: their
+        #: saved guards expect ordinary tensors (torch restores them without inference mode).
+        self.grad_mode: Callable[[], AbstractContextManager[Any]] = torch.inference_mode
 
-    @torch.inference_mode()
     def capture_decode_graphs(self, capture: CaptureFn | None = None) -> DecodeGraphs:
         """Capture every decode bucket of the grid (largest first, as the later, smaller graphs
         then fit in the memory pool the first ones grew); decode steps replay them from now on."""
@@ -111,12 +116,13 @@ class ModelRunner:
         graphs = DecodeGraphs(lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta),
                               capture)
         shapes = [s for s in warmup_shapes(self.config) if s.kind == "decode"]
-        for shape in sorted(shapes, key=lambda s: (-s.num_reqs, -s.width)):
-            input_ids, positions, meta, _ = self.prepare_inputs(warmup_scheduler_output(shape))
-            graphs.capture(input_ids, positions, meta)
-        # The dummy steps wrote K/V into the null block and counted as steps: undo both.
-        for kv_cache in self.kv_caches:
-            kv_cache[:, NULL_BLOCK_ID].zero_()
+        with self.grad_mode():
+            for shape in sorted(shapes, key=lambda s: (-s.num_reqs, -s.width)):
+                ids, positions, meta, _ = self.prepare_inputs(warmup_scheduler_output(shape))
+                graphs.capture(ids, positions, meta)
+            # The dummy steps wrote K/V into the null block and counted as steps: undo both.
+            for kv_cache in self.kv_caches:
+                kv_cache[:, NULL_BLOCK_ID].zero_()
         self.stats = BucketStats.for_grid(self.grid)
         self.decode_graphs = graphs
         logger.info("CUDA graphs: %d decode buckets captured in %.1f s", len(graphs.graphs),
@@ -208,8 +214,11 @@ class ModelRunner:
         )
         return input_ids.to(self.device), positions.to(self.device), meta, sample_rows
 
-    @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        with self.grad_mode():
+            return self._execute_model(so)
+
+    def _execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._register(so)
         if so.is_empty:
             return ModelRunnerOutput([], [])
