@@ -57,8 +57,10 @@ PRECOMPILED_DIR = "aot"
 
 
 def precompile_supported() -> bool:
-    """Whether this torch can save and load Dynamo-precompiled functions (torch >= 2.10)."""
-    return hasattr(torch.compiler, "load_compiled_function")
+    """Whether this torch can save and load Dynamo-precompiled functions (2.13 can; 2.11 loads
+    but cannot ``aot_compile`` a ``torch.compile`` result)."""
+    return (hasattr(torch.compiler, "load_compiled_function")
+            and hasattr(torch.compile(_run_layer, backend="eager"), "aot_compile"))
 
 
 @dataclass(frozen=True)
