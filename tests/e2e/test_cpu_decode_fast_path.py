@@ -1,5 +1,6 @@
-"""Batch-1 CPU decode without module dispatch (llama_cpu_decode.py): the same kernel calls as the
-module path, so the same tokens and logprobs, and out of the way whenever a hook is installed."""
+"""CPU decode without module dispatch (llama_cpu_decode.py): the same kernel calls as the module
+path (GEMV up to 3 rows, oneDNN above), so the same tokens and logprobs at every batch size, and
+out of the way whenever a hook is installed."""
 
 from __future__ import annotations
 
@@ -27,9 +28,14 @@ def engine(request, tmp_path_factory):
 
 
 def _run(llm, prompt):
+    (result,) = _run_batch(llm, [prompt])
+    return result
+
+
+def _run_batch(llm, prompts):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
-    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
-    return out.token_ids, out.logprobs
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
 def _count_calls(fast):
@@ -44,27 +50,28 @@ def _count_calls(fast):
     return calls, forward
 
 
-def test_fast_path_equals_the_module_path_bit_for_bit(engine):
+@pytest.mark.parametrize("batch", [1, 2, 4])  # rows 1 and 2: ingot's GEMV; 4: oneDNN
+def test_fast_path_equals_the_module_path_bit_for_bit(engine, batch):
     llm, model = engine
     fast = model.cpu_decode
     assert fast is not None
-    prompt = list(range(3, 40))
+    prompts = [list(range(3 + i, 40 + 3 * i)) for i in range(batch)]
     calls, forward = _count_calls(fast)
     try:
-        tokens, logprobs = _run(llm, prompt)
+        got = _run_batch(llm, prompts)
     finally:
         fast.forward = forward
-    assert calls["n"] == 23  # every decode step after the prefill's token
+    assert calls["n"] == 23  # every decode step after the prefills' tokens
     model.cpu_decode = None
     try:
-        ref_tokens, ref_logprobs = _run(llm, prompt)
+        want = _run_batch(llm, prompts)
     finally:
         model.cpu_decode = fast
-    assert tokens == ref_tokens
-    assert logprobs == ref_logprobs  # same kernels, same order: identical, not just close
+    # Same kernels, same order: identical tokens and logprobs, not just close.
+    assert got == want
 
 
-def test_batches_and_hooks_take_the_module_path(engine):
+def test_hooks_take_the_module_path(engine):
     llm, model = engine
     fast = model.cpu_decode
     calls, forward = _count_calls(fast)
@@ -77,7 +84,7 @@ def test_batches_and_hooks_take_the_module_path(engine):
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         llm.generate([{"prompt_token_ids": [7, 8, 9]}, {"prompt_token_ids": [9, 8]}], params,
                      use_tqdm=False)
-        assert calls["n"] == 0  # batch 2 decodes through the modules
+        assert calls["n"] == 3  # hook gone: batch 2 decodes through the fast path again
     finally:
         handle.remove()
         fast.forward = forward

@@ -1,13 +1,15 @@
-"""Single-sequence decode of the Llama-family model straight through ingot's CPU kernels.
+"""Decode of the Llama-family model straight through ingot's CPU kernels, without modules.
 
-Why: at batch 1 the kernels themselves take ~16 ms of a ~25 ms step on the project machine;
-most of the rest is Python: nn.Module dispatch, argument conversion and output allocation in
-the kernel wrappers, ~10 calls per layer. This path makes the same kernel calls in the same
-order (so its output equals the module path's bit for bit, tested) with every weight pointer
-resolved once, per-step arguments converted once, and activations in buffers reused across
-layers. It serves only what the module path would send to the same kernels: one decode token,
-bf16 weights and cache, no q/k norm, no FP8 calibration, and no forward hooks anywhere (the
-accuracy toolkit's captures and replacements hook modules, so they keep the module path).
+Why: at batch 1 the kernels themselves take ~16 ms of a ~25 ms step on the project machine, and
+at batch 64 ~14 ms of an ~81 ms forward is Python: nn.Module dispatch, argument conversion and
+output allocation in the kernel wrappers, ~10 calls per layer. This path makes the same kernel
+calls in the same order (so its output equals the module path's bit for bit, tested): ingot's
+GEMV for up to GEMV_MAX_ROWS rows and oneDNN's packed linear above, as the linear layers choose,
+with every weight resolved once, per-step arguments converted once, and activations in buffers
+reused across layers. It serves only what the module path would send to the same kernels: one
+token per sequence, bf16 weights and cache, no q/k norm, no FP8 calibration, and no forward hooks
+anywhere (the accuracy toolkit's captures and replacements hook modules, so they keep the module
+path).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import nn
 
 from ingot.model_executor.layers.attention import AttentionMetadata
 from ingot.model_executor.layers.cpu_kernels import CpuKernels, attention_scratch
+from ingot.model_executor.layers.linear import GEMV_MAX_ROWS
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -61,17 +64,22 @@ class LlamaCpuDecode:
                 m.down_proj.gemv_weight.data_ptr(), _ptr(m.down_proj.bias_f32),
                 a.sliding_window or 0, a.scale, a.kv_scales,
             ))
+        # oneDNN's operands of the same four linears, for batches above GEMV_MAX_ROWS.
+        self.packed = [tuple((lin.packed_weight, lin.bias) for lin in (
+            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+            layer.mlp.down_proj)) for layer in decoder.layers]
         self.cos_sin = first.self_attn.rotary.cos_sin_cache
         self.norm = decoder.norm
-        bf16 = torch.bfloat16
-        # Activations, reused by every layer and step (none of them leaves forward()).
-        self.x = torch.empty(1, self.hidden, dtype=bf16)
-        self.h = torch.empty(1, self.hidden, dtype=bf16)
-        self.residual = torch.empty(1, self.hidden, dtype=bf16)
-        self.qkv = torch.empty(1, self.qkv_size, dtype=bf16)
-        self.attn = torch.empty(1, self.num_heads * self.head_dim, dtype=bf16)
-        self.gate_up = torch.empty(1, 2 * self.inter, dtype=bf16)
-        self.act = torch.empty(1, self.inter, dtype=bf16)
+        self._buffers: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def _activations(self, rows: int) -> tuple[torch.Tensor, ...]:
+        """x, h, residual, qkv, attn, gate_up, act for ``rows`` sequences, reused by every layer
+        and step of that batch size (none of them leaves forward())."""
+        if rows not in self._buffers:
+            sizes = (self.hidden, self.hidden, self.hidden, self.qkv_size,
+                     self.num_heads * self.head_dim, 2 * self.inter, self.inter)
+            self._buffers[rows] = tuple(torch.empty(rows, n, dtype=torch.bfloat16) for n in sizes)
+        return self._buffers[rows]
 
     @classmethod
     def build(cls, model: nn.Module) -> LlamaCpuDecode | None:
@@ -86,7 +94,9 @@ class LlamaCpuDecode:
             linears = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
             if any(p.cpu_kernels is None for p in parts + linears):
                 return None
-            if any(lin.gemv_weight is None for lin in linears) or a.q_norm is not None:
+            if any(lin.gemv_weight is None or lin.packed_weight is None for lin in linears):
+                return None
+            if a.q_norm is not None:
                 return None
             if a.rotary.cos_sin_cache.dtype != torch.bfloat16:
                 return None
@@ -99,9 +109,8 @@ class LlamaCpuDecode:
         self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
     ) -> bool:
         return (
-            input_ids.numel() == 1
-            and meta.seq_lens is not None
-            and meta.num_reqs == 1
+            meta.seq_lens is not None
+            and input_ids.numel() == meta.num_reqs
             and input_ids.device.type == "cpu"
             and kv_caches[0].dtype == torch.bfloat16
             and not any(layer[-1].calibrating for layer in self.layers)
@@ -118,13 +127,14 @@ class LlamaCpuDecode:
     ) -> torch.Tensor:
         k = self.k
         threads = torch.get_num_threads()
+        rows = input_ids.numel()
         hidden, inter, qkv_size = self.hidden, self.inter, self.qkv_size
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        x, h, res, qkv, attn = self.x, self.h, self.residual, self.qkv, self.attn
-        gate_up, act = self.gate_up, self.act
-        xp, hp, rp = x.data_ptr(), h.data_ptr(), res.data_ptr()
-        qkvp, attnp, gup, actp = qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(), act.data_ptr()
+        x, h, res, qkv, attn, gate_up, act = self._activations(rows)
+        xp, rp, attnp, actp = x.data_ptr(), res.data_ptr(), attn.data_ptr(), act.data_ptr()
         q_bytes, kv_bytes = heads * head_dim * 2, kv_heads * head_dim * 2
+        use_gemv = rows <= GEMV_MAX_ROWS  # as LinearBase.forward chooses
+        onednn = torch.ops.mkldnn._linear_pointwise
 
         table = meta.block_table.to(torch.int64).contiguous()
         seq_lens = meta.seq_lens.to(torch.int64).contiguous()
@@ -134,31 +144,44 @@ class LlamaCpuDecode:
         width = table.shape[1]
         scratch, per_thread = attention_scratch(heads, width * block_size, threads)
         step_args = (positions.data_ptr(), self.cos_sin.data_ptr())
-        tail_args = (slots.data_ptr(), table.data_ptr(), seq_lens.data_ptr(), attnp, 1, heads,
+        tail_args = (slots.data_ptr(), table.data_ptr(), seq_lens.data_ptr(), attnp, rows, heads,
                      kv_heads, head_dim, block_size, width)
 
         value_offset = kv_caches[0][0].numel() * 2  # bytes from a cache's keys to its values
-        embedded = self.model.model.embed_tokens(input_ids.view(1))
+        embedded = self.model.model.embed_tokens(input_ids.view(rows))
         rms, gemv, attend, silu = k.rms_norm, k.gemv, k.decode_attention, k.silu_mul
         residual_in = embedded.data_ptr()  # layer 0: residual = the embedding, no add
-        for cache, layer in zip(kv_caches, self.layers, strict=True):
+        for cache, layer, packed in zip(kv_caches, self.layers, self.packed, strict=True):
             (in_w, in_eps, qkv_w, qkv_b, o_w, o_b, post_w, post_eps, gu_w, gu_b, down_w, down_b,
              window, scale, _) = layer
             if residual_in == rp:
-                rms(hp, rp, in_w, xp, rp, 1, hidden, in_eps, threads)
+                rms(h.data_ptr(), rp, in_w, xp, rp, rows, hidden, in_eps, threads)
             else:
-                rms(residual_in, None, in_w, xp, None, 1, hidden, in_eps, threads)
-            gemv(xp, qkv_w, qkv_b, qkvp, 1, qkv_size, hidden, threads)
+                rms(residual_in, None, in_w, xp, None, rows, hidden, in_eps, threads)
+            if use_gemv:
+                gemv(xp, qkv_w, qkv_b, qkv.data_ptr(), rows, qkv_size, hidden, threads)
+            else:
+                qkv = onednn(x, packed[0][0], packed[0][1], "none", [], "")
+            qkvp = qkv.data_ptr()
             kc = cache.data_ptr()
             vc = kc + value_offset
             attend(qkvp, qkv_size, qkvp + q_bytes, qkv_size, qkvp + q_bytes + kv_bytes, qkv_size,
                    *step_args, kc, vc, *tail_args, window, scale, scratch.data_ptr(), per_thread,
                    threads)
-            gemv(attnp, o_w, o_b, hp, 1, hidden, heads * head_dim, threads)
-            rms(hp, residual_in, post_w, xp, rp, 1, hidden, post_eps, threads)
+            if use_gemv:
+                gemv(attnp, o_w, o_b, h.data_ptr(), rows, hidden, heads * head_dim, threads)
+            else:
+                h = onednn(attn, packed[1][0], packed[1][1], "none", [], "")
+            rms(h.data_ptr(), residual_in, post_w, xp, rp, rows, hidden, post_eps, threads)
             residual_in = rp
-            gemv(xp, gu_w, gu_b, gup, 1, 2 * inter, hidden, threads)
-            silu(gup, actp, 1, inter, threads)
-            gemv(actp, down_w, down_b, hp, 1, hidden, inter, threads)
+            if use_gemv:
+                gemv(xp, gu_w, gu_b, gate_up.data_ptr(), rows, 2 * inter, hidden, threads)
+            else:
+                gate_up = onednn(x, packed[2][0], packed[2][1], "none", [], "")
+            silu(gate_up.data_ptr(), actp, rows, inter, threads)
+            if use_gemv:
+                gemv(actp, down_w, down_b, h.data_ptr(), rows, hidden, inter, threads)
+            else:
+                h = onednn(act, packed[3][0], packed[3][1], "none", [], "")
         out, _ = self.norm(h, res)  # a fresh tensor: the buffers are reused next step
         return out
