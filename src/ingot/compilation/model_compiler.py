@@ -345,27 +345,22 @@ class ModelCompiler:
         for kv_cache in self.runner.kv_caches:
             torch._dynamo.mark_dynamic(kv_cache, 1)
 
-    @torch.inference_mode()
     def _warmup(self) -> None:
         from tqdm import tqdm
 
         runner = self.runner
         bar = tqdm(self.shapes, desc="compiling buckets", unit="graph", disable=not self.progress,
                    leave=False)
-        for shape in bar:
-            bar.set_postfix_str(shape.label)
-            self.backend.label = shape.label
-            input_ids, positions, meta, _ = runner.prepare_inputs(warmup_scheduler_output(shape))
-            runner.model(input_ids, positions, runner.kv_caches, meta)
+        # The serving mode (runner.grad_mode): the traced guards must see the tensors serving will.
+        with runner.grad_mode():
+            for shape in bar:
+                bar.set_postfix_str(shape.label)
+                self.backend.label = shape.label
+                input_ids, positions, meta, _ = runner.prepare_inputs(warmup_scheduler_output(shape))
+                runner.model(input_ids, positions, runner.kv_caches, meta)
         bar.close()
         self.backend.label = "serving"
-        # The warmup wrote K/V of its dummy tokens into the null block: clear it again, and
-        # forget the dummy steps in the bucket counters.
-        for kv_cache in runner.kv_caches:
-            kv_cache[:, 0].zero_()
-        from ingot.metrics.stats import BucketStats
-
-        runner.stats = BucketStats.for_grid(self.config.buckets)
+        runner.forget_dummy_steps()
 
     def _example_inputs(self, shape: WarmupShape) -> tuple[Any, ...]:
         """Layer-0 arguments of this bucket's shape (what the warmup's first layer would get)."""

@@ -120,14 +120,18 @@ class ModelRunner:
             for shape in sorted(shapes, key=lambda s: (-s.num_reqs, -s.width)):
                 ids, positions, meta, _ = self.prepare_inputs(warmup_scheduler_output(shape))
                 graphs.capture(ids, positions, meta)
-            # The dummy steps wrote K/V into the null block and counted as steps: undo both.
-            for kv_cache in self.kv_caches:
-                kv_cache[:, NULL_BLOCK_ID].zero_()
-        self.stats = BucketStats.for_grid(self.grid)
+            self.forget_dummy_steps()
         self.decode_graphs = graphs
         logger.info("CUDA graphs: %d decode buckets captured in %.1f s", len(graphs.graphs),
                     graphs.capture_seconds)
         return graphs
+
+    def forget_dummy_steps(self) -> None:
+        """After warmup or graph capture: the dummy steps wrote K/V into the null block and
+        counted in the bucket statistics; undo both."""
+        for kv_cache in self.kv_caches:
+            kv_cache[:, NULL_BLOCK_ID].zero_()
+        self.stats = BucketStats.for_grid(self.grid)
 
     def _register(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
