@@ -238,3 +238,35 @@ def test_write_kv_equals_the_torch_write_and_skips_padding():
     write_kv_cache(ref, key, value, slots)
     assert torch.equal(got, ref)
     assert not torch.equal(got, cache)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
+def test_rope_write_kv_equals_torch_rotary_and_write(heads, kv_heads, head_dim):
+    from ingot.model_executor.layers.attention import write_kv_cache
+
+    torch.manual_seed(3)
+    tokens = 40
+    rope = RotaryEmbedding(head_dim, 4096, {"rope_theta": 10000.0, "rope_type": "default"})
+    rope.cos_sin_cache = rope.cos_sin_cache.to(torch.bfloat16)
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qkv = torch.randn(tokens, q_size + 2 * kv_size).to(torch.bfloat16)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)  # strided views, as the model
+    q = q.view(tokens, heads, head_dim)
+    k = k.view(tokens, kv_heads, head_dim)
+    v = v.view(tokens, kv_heads, head_dim)
+    positions = torch.randint(0, 4000, (tokens,))
+    slots = 16 + torch.randperm(7 * 16)[:tokens]  # block 0 is the null block
+    slots[-5:] = -1  # padding
+    cache = torch.randn(2, 8, 16, kv_heads, head_dim).to(torch.bfloat16)
+    got_cache, ref_cache = cache.clone(), cache.clone()
+    q_rot, k_rot = cpu_kernels.rope_write_kv_bf16(
+        fn, q, k, v, positions, rope.cos_sin_cache, got_cache, slots
+    )
+    q_ref, k_ref = rope(positions, q, k)
+    write_kv_cache(ref_cache, k_ref, v, slots)
+    assert torch.equal(q_rot, q_ref) and torch.equal(k_rot, k_ref)
+    assert torch.equal(got_cache, ref_cache)
+    # Broken case: rotating at the wrong positions must not pass the same comparison.
+    q_off, _ = rope(positions + 1, q, k)
+    assert not torch.equal(q_rot, q_off)

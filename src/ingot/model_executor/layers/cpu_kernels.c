@@ -514,3 +514,27 @@ void ingot_write_kv_bf16(const uint16_t *k, int64_t k_stride, const uint16_t *v,
         memcpy(vc + slot * row, v + t * v_stride, row * 2);
     }
 }
+
+/* ---------------------------------------------------------------------------------------- */
+/* A prefill chunk's rotary and cache write in one pass: q [T, H*D] and k [T, Hkv*D] rows (row
+   strides in elements, so views into a fused qkv output) rotated at positions[t] into qo
+   [T, H, D] and ko [T, Hkv, D]; ko's and v's rows then go to the caches at slots[t] (-1 = not
+   written). Replaces torch's rotary (gather of cos/sin, cat, neg, 2 muls, add: ~5 ms per
+   128-token step of the default model, measured) and the separate write. */
+void ingot_rope_write_kv_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k,
+                              int64_t k_stride, const uint16_t *v, int64_t v_stride,
+                              const int64_t *positions, const uint16_t *cos_sin, uint16_t *qo,
+                              uint16_t *ko, uint16_t *kc, uint16_t *vc, const int64_t *slots,
+                              int64_t T, int64_t H, int64_t Hkv, int64_t D, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T >= 16)
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *cs = cos_sin + positions[t] * 2 * D;
+        for (int64_t h = 0; h < H; h++) rope_head(q + t * q_stride + h * D, cs, qo + (t * H + h) * D, D);
+        for (int64_t h = 0; h < Hkv; h++)
+            rope_head(k + t * k_stride + h * D, cs, ko + (t * Hkv + h) * D, D);
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        memcpy(kc + slot * Hkv * D, ko + t * Hkv * D, Hkv * D * 2);
+        memcpy(vc + slot * Hkv * D, v + t * v_stride, Hkv * D * 2);
+    }
+}

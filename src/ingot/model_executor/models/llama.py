@@ -24,6 +24,7 @@ from ingot.model_executor.layers.cpu_kernels import (
     CpuKernels,
     decode_attention_bf16,
     decode_attention_supported,
+    rope_write_kv_bf16,
     silu_mul_bf16,
 )
 from ingot.model_executor.layers.layernorm import RMSNorm
@@ -93,10 +94,22 @@ class DecoderAttention(nn.Module):
             return self.o_proj(out)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        kv_written = False
+        if (
+            self.cpu_kernels is not None
+            and cos_sin.dtype == torch.bfloat16 == q.dtype == kv_cache.dtype
+            and not self.kv_scales.calibrating
+        ):
+            # Prefill: rotary and the cache write in one kernel call.
+            q, k = rope_write_kv_bf16(
+                self.cpu_kernels, q, k, v, positions, cos_sin, kv_cache, meta.slot_mapping
+            )
+            kv_written = True
+        else:
+            q, k = self.rotary(positions, q, k)
         out = paged_attention(
             q, k, v, kv_cache, meta, self.scale, self.sliding_window, self.kv_scales,
-            self.cpu_kernels,
+            self.cpu_kernels, kv_written,
         )
         return self.o_proj(out)
 
