@@ -146,3 +146,27 @@ def test_engine_stats(tiny_llama_dir):
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.get_stats()["kv_blocks_used"] == 0
+
+
+def test_eager_warmup_runs_each_row_count_then_leaves_no_trace(tiny_llama_dir, monkeypatch):
+    from ingot.worker.model_runner import ModelRunner
+
+    rows_seen: list[tuple[bool, int]] = []
+    original = ModelRunner.prepare_inputs
+
+    def recording(self, so):
+        rows_seen.append((so.is_prefill, len(so.scheduled[0].token_ids) if so.is_prefill
+                          else len(so.scheduled)))
+        return original(self, so)
+
+    monkeypatch.setattr(ModelRunner, "prepare_inputs", recording)
+    llm = _llm(tiny_llama_dir, max_num_batched_tokens=512)
+    runner = _runner(llm)
+    grid = runner.grid
+    # One dummy step per prefill bucket (from position 0) and per decode batch bucket.
+    assert sorted(n for prefill, n in rows_seen if prefill) == list(grid.num_batched_tokens_buckets)
+    assert sorted(n for prefill, n in rows_seen if not prefill) == list(grid.num_seqs_buckets)
+    assert llm.llm_engine.engine_core.executor.worker.warmup_seconds > 0
+    # No trace: the null block is zero again and no bucket counted an execution.
+    assert all(bool((cache[:, 0] == 0).all()) for cache in runner.kv_caches)
+    assert runner.stats == type(runner.stats).for_grid(grid)

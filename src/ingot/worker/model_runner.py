@@ -8,6 +8,7 @@ slot mapping and block table are built with tensor ops, O(tokens) with no per-to
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -125,6 +126,27 @@ class ModelRunner:
         logger.info("CUDA graphs: %d decode buckets captured in %.1f s", len(graphs.graphs),
                     graphs.capture_seconds)
         return graphs
+
+    def warm_up_eager(self) -> float:
+        """One dummy step per row count the linear layers will see (each prefill bucket from
+        position 0, each decode batch bucket at its narrowest context), so that oneDNN's
+        just-in-time kernels for those shapes, and the first touch of the activations' memory,
+        happen before the engine reports ready instead of in the first requests of each size.
+        Returns the seconds it took."""
+        from ingot.compilation.model_compiler import warmup_scheduler_output, warmup_shapes
+
+        start = time.perf_counter()
+        seen: set[tuple[str, int]] = set()
+        with self.grad_mode():
+            for shape in warmup_shapes(self.config):
+                rows = (shape.kind, shape.num_tokens)
+                if rows in seen or shape.start_position > 0 and shape.kind == "prefill":
+                    continue
+                seen.add(rows)
+                ids, positions, meta, _ = self.prepare_inputs(warmup_scheduler_output(shape))
+                self.model(ids, positions, self.kv_caches, meta)
+            self.forget_dummy_steps()
+        return time.perf_counter() - start
 
     def forget_dummy_steps(self) -> None:
         """After warmup or graph capture: the dummy steps wrote K/V into the null block and

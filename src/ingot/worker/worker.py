@@ -202,6 +202,11 @@ class Worker:
             self.compile_seconds = self.compiler.compile_and_warmup().seconds
         if config.compilation.cuda_graphs:
             self.model_runner.capture_decode_graphs()
+        self.warmup_seconds = 0.0
+        if not config.compilation.enabled and self.device.type == "cpu":
+            self.warmup_seconds = self.model_runner.warm_up_eager()
+            logger.info("warmup: one dummy step per bucket's row count, %.1f s",
+                        self.warmup_seconds)
 
     def compile_stats(self) -> dict[str, Any]:
         """Compilation counters (plain numbers; all zero when running eagerly)."""
