@@ -210,15 +210,14 @@ def paged_attention(
     num_tokens, num_heads, head_dim = query.shape
     if kv_scales is not None and kv_scales.calibrating:
         kv_scales.observe(key, value, meta.num_actual_tokens)
-    if kv_written:
-        pass
-    elif cpu_kernels is not None and kv_cache.dtype == torch.bfloat16 == key.dtype:
-        write_kv_bf16(cpu_kernels, key, value, kv_cache, meta.slot_mapping)
-    else:
-        write_kv_cache(
-            kv_cache, key, value, meta.slot_mapping, kv_scales, meta.write_slots,
-            meta.write_valid,
-        )
+    if not kv_written:
+        if cpu_kernels is not None and kv_cache.dtype == torch.bfloat16 == key.dtype:
+            write_kv_bf16(cpu_kernels, key, value, kv_cache, meta.slot_mapping)
+        else:
+            write_kv_cache(
+                kv_cache, key, value, meta.slot_mapping, kv_scales, meta.write_slots,
+                meta.write_valid,
+            )
 
     num_reqs, max_q = meta.num_reqs, meta.max_query_len
     n = meta.num_actual_tokens

@@ -152,8 +152,8 @@ void ingot_rmsnorm_bf16(const uint16_t *x, const uint16_t *residual, const uint1
 
 /* out[m, i] = bf16(bf16(silu(gate)) * up) with gate = gu[m, i], up = gu[m, I + i]. Threads
    take contiguous ranges of the (row, 16-column chunk) units, so one row at batch 1 still
-   uses every core, and walk them incrementally: an integer division per vector had made this
-   ~2x slower at 128 rows. */
+   uses every core, and walk them incrementally (a 64-bit division per vector had cost ~15% at
+   128 rows). */
 void ingot_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t M, int64_t I, int nthreads) {
     const int64_t chunks = (I + 15) / 16, units = M * chunks;
 #pragma omp parallel num_threads(nthreads) if (M * I >= 16384)
