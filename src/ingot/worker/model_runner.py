@@ -140,7 +140,7 @@ class ModelRunner:
         with self.grad_mode():
             for shape in warmup_shapes(self.config):
                 rows = (shape.kind, shape.num_tokens)
-                if rows in seen or shape.start_position > 0 and shape.kind == "prefill":
+                if rows in seen or (shape.kind == "prefill" and shape.start_position > 0):
                     continue
                 seen.add(rows)
                 ids, positions, meta, _ = self.prepare_inputs(warmup_scheduler_output(shape))

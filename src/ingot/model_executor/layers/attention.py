@@ -201,11 +201,11 @@ def paged_attention(
     """query [T, H, D], key/value [T, Hkv, D] -> output [T, H * D] (rows past the actual tokens
     are zero). ``cpu_kernels``: decode of a bf16 cache writes and reads the blocks in place with
     ingot's kernel instead of gathering them for SDPA (see cpu_kernels.py). ``kv_written``: the
-    caller already wrote key/value into the cache (a prefill through rope_write_kv_bf16)."""
+    caller already wrote key/value into the cache (through rope_write_kv_bf16)."""
     if cpu_decode_applies(cpu_kernels, query, kv_cache, meta, kv_scales):
         return decode_attention_bf16(
-            cpu_kernels, query, key, value, kv_cache, meta.slot_mapping, meta.block_table,
-            meta.seq_lens, scale, sliding_window,
+            cpu_kernels, query, key, value, kv_cache, None if kv_written else meta.slot_mapping,
+            meta.block_table, meta.seq_lens, scale, sliding_window,
         )
     num_tokens, num_heads, head_dim = query.shape
     if kv_scales is not None and kv_scales.calibrating:

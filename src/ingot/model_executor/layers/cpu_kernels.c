@@ -384,7 +384,7 @@ void ingot_decode_attention_bf16(
         const int64_t b = task * per_task / Hkv, j0 = task * per_task % Hkv, nh = per_task;
         const uint16_t *cs = positions ? cos_sin + positions[b] * 2 * D : 0;
         /* 1. the new token's k and v into the cache */
-        const int64_t slot = slots[b];
+        const int64_t slot = slots ? slots[b] : -1; /* NULL: already written */
         if (slot >= 0)
             for (int64_t j = j0; j < j0 + nh; j++) {
                 uint16_t *kdst = kc + (slot * Hkv + j) * D;

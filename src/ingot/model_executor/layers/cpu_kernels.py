@@ -229,7 +229,7 @@ def decode_attention_bf16(
     key: torch.Tensor,
     value: torch.Tensor,
     kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    slot_mapping: torch.Tensor | None,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
@@ -239,7 +239,7 @@ def decode_attention_bf16(
 ) -> torch.Tensor:
     """One decode token per sequence: query [B, H, D], key/value [B, Hkv, D] bf16 (rows may be
     strided views into a fused qkv output). Writes key/value into kv_cache [2, num_blocks,
-    block_size, Hkv, D] at slot_mapping (-1 = skip), then attends over each sequence's first
+    block_size, Hkv, D] at slot_mapping (-1 = skip; None = nothing to write), then attends over each sequence's first
     seq_lens keys (the last ``sliding_window`` of them when given). With ``positions`` and
     ``cos_sin`` ([max_position, 2, D] bf16) q and k are rotated first (NeoX). -> [B, H * D]."""
     num_reqs, num_heads, head_dim = query.shape
@@ -249,7 +249,7 @@ def decode_attention_bf16(
     value, v_stride = _rows(value)
     block_table = block_table.to(torch.int64).contiguous()
     seq_lens = seq_lens.to(torch.int64).contiguous()
-    slots = slot_mapping.to(torch.int64).contiguous()
+    slots = None if slot_mapping is None else slot_mapping.to(torch.int64).contiguous()
     width = block_table.shape[1]
     threads = torch.get_num_threads()
     scratch, per_thread = attention_scratch(num_heads, width * block_size, threads)
@@ -259,7 +259,7 @@ def decode_attention_bf16(
     kernels.decode_attention(
         query.data_ptr(), q_stride, key.data_ptr(), k_stride, value.data_ptr(), v_stride,
         _ptr(positions), _ptr(cos_sin), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
-        slots.data_ptr(), block_table.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
+        _ptr(slots), block_table.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
         num_reqs, num_heads, num_kv_heads, head_dim, block_size, width, sliding_window or 0,
         scale, scratch.data_ptr(), per_thread, threads,
     )

@@ -100,7 +100,8 @@ class DecoderAttention(nn.Module):
             and cos_sin.dtype == torch.bfloat16 == q.dtype == kv_cache.dtype
             and not self.kv_scales.calibrating
         ):
-            # Prefill: rotary and the cache write in one kernel call.
+            # Rotary and the cache write in one kernel call (prefill, or decode of a q/k-normed
+            # model, which the fused decode kernel above does not take).
             q, k = rope_write_kv_bf16(
                 self.cpu_kernels, q, k, v, positions, cos_sin, kv_cache, meta.slot_mapping
             )
