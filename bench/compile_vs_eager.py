@@ -40,8 +40,7 @@ def _worker(ns: argparse.Namespace) -> None:
     else:
         llm = LLM(compile=True, cache_dir=ns.cache_dir, **kwargs)
     ready = time.perf_counter() - start
-    worker = llm.llm_engine.engine_core.executor.worker
-    stats = worker.compile_stats()
+    stats = llm.llm_engine.get_stats()["compilation"]
     vocab = llm.llm_engine.config.model_config.vocab_size
     rng = random.Random(0)
 
@@ -61,7 +60,7 @@ def _worker(ns: argparse.Namespace) -> None:
     probe = llm.generate([{"prompt_token_ids": list(range(200 + 37 * i, 200 + 37 * i + 24))}
                           for i in range(4)],
                          SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
-    after = worker.compile_stats()
+    after = llm.llm_engine.get_stats()["compilation"]
     print("RESULT " + json.dumps({
         "greedy_tokens": [list(o.outputs[0].token_ids) for o in probe],
         "mode": ns.mode, "ready_s": round(ready, 2), "graphs": stats["graphs"],

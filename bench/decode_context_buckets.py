@@ -26,13 +26,13 @@ def decode_step_times(llm: LLM, batch: int, prompt_len: int, new_tokens: int) ->
         engine.add_request(None, [100 + (i * 7 + j) % 4000 for j in range(prompt_len)], params)
     times = []
     while engine.has_unfinished_requests():
-        decoding = not any(
-            r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
-        ) and not engine.scheduler.waiting
+        steps = engine.get_stats()["buckets"].decode
+        before = sum(c.executions for c in steps.values())
         start = time.perf_counter()
         engine.step()
-        if decoding and engine.scheduler.running:
-            times.append(time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        if sum(c.executions for c in engine.get_stats()["buckets"].decode.values()) > before:
+            times.append(elapsed)  # a decode step (the bucket counters moved)
     return times
 
 

@@ -53,7 +53,12 @@ KNOWN_ADDITIONAL_CONFIG = {
     "decode_context_length_buckets",
     "profiler",
     "calibrate_kv_scales",
+    "max_num_prefills_per_step",
 }
+# Prompts packed into one prefill step by default (eager layers). Chosen by measurement on the
+# project's CPU (docs/PERFORMANCE.md, "Packed prefill"); 1 is the original design's rule.
+DEFAULT_MAX_PREFILLS_PER_STEP = 8
+EXECUTOR_BACKENDS = ("uni", "mp")
 # "auto" stores KV in the model dtype; fp8 / fp8_e4m3 store float8_e4m3fn with per-layer scales.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
@@ -89,10 +94,9 @@ class CacheConfig:
     kv_cache_dtype: str
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
-    num_blocks: int | None = None
 
     def torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        return torch.float8_e4m3fn if self.kv_cache_dtype.startswith("fp8") else model_dtype  # decided by the worker from the memory budget
+        return torch.float8_e4m3fn if self.kv_cache_dtype.startswith("fp8") else model_dtype
 
 
 @dataclass
@@ -101,6 +105,15 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool
+    #: Prompts (or their segments) packed into one prefill step; 1 = one prefill per step.
+    max_num_prefills_per_step: int = 1
+
+
+@dataclass
+class ParallelConfig:
+    #: "uni": the worker runs in the engine's process; "mp": in child process(es).
+    distributed_executor_backend: str = "uni"
+    world_size: int = 1
 
 
 @dataclass
@@ -126,6 +139,7 @@ class EngineConfig:
     additional_config: dict[str, Any]
     buckets: BucketGrid
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 def resolve_model_path(model: str | None) -> tuple[str, str]:
@@ -213,6 +227,8 @@ class EngineArgs:
     compile: bool | None = None
     enable_fx_passes: bool = True
     cache_dir: str | None = None  # compile cache root (default $INGOT_CACHE_ROOT, ~/.cache/ingot)
+    # vLLM's names. None: "uni" for one worker.
+    distributed_executor_backend: str | None = None
 
     @staticmethod
     def _json_arg(name: str, value: dict[str, Any] | str | None) -> dict[str, Any]:
@@ -299,6 +315,13 @@ class EngineArgs:
             additional_config, max_batched, self.max_num_seqs, max_model_len, self.block_size
         )
         compilation = self._compilation_config(platform.name, buckets)
+        prefills = self._max_prefills(additional_config, compilation)
+        backend = self.distributed_executor_backend or "uni"
+        if backend not in EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"distributed_executor_backend {backend!r} is not supported; use "
+                f"{' or '.join(EXECUTOR_BACKENDS)}"
+            )
         model_config = ModelConfig(
             model=path,
             format=fmt,
@@ -327,12 +350,29 @@ class EngineArgs:
                 max_num_batched_tokens=max_batched,
                 max_model_len=max_model_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
+                max_num_prefills_per_step=prefills,
             ),
+            parallel_config=ParallelConfig(distributed_executor_backend=backend),
             device=platform.name,
             additional_config=additional_config,
             buckets=buckets,
             compilation=compilation,
         )
+
+    @staticmethod
+    def _max_prefills(additional_config: dict[str, Any], compilation: CompilationConfig) -> int:
+        """Packed prefills per step. Compiled layers keep one: a packed step's attention
+        layout (requests x longest segment) would vary inside one token bucket and recompile."""
+        value = additional_config.get("max_num_prefills_per_step")
+        if value is None:
+            return 1 if compilation.enabled else DEFAULT_MAX_PREFILLS_PER_STEP
+        _positive("max_num_prefills_per_step", value)
+        if value > 1 and compilation.enabled:
+            raise ValueError(
+                f"max_num_prefills_per_step {value} needs eager layers: compiled graphs run one "
+                "prefill per step; set it to 1 or pass --enforce-eager / --no-compile"
+            )
+        return value
 
     def _compilation_config(self, platform_name: str, buckets: BucketGrid) -> CompilationConfig:
         if self.compile is not None and not isinstance(self.compile, bool):

@@ -77,7 +77,8 @@ def test_block_accounting_after_random_requests_and_aborts(tiny_llama_dir):
         assert pool.num_free_blocks >= 0
     assert steps > 50
     assert pool.num_free_blocks == start_free
-    assert not engine.scheduler.running and not engine.scheduler.waiting
+    stats = engine.get_stats()
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
 
 
 def test_logprobs_and_prompt_logprobs_match_hf(tiny_llama_dir, llm):

@@ -34,8 +34,8 @@ def test_unknown_kv_cache_dtype_lists_the_accepted_values(tiny_llama_dir):
 
 def test_fp8_doubles_the_block_count_against_bf16(tiny_llama_dir):
     kw = dict(max_model_len=256, kv_cache_memory_bytes=2**20, dtype="bfloat16")
-    bf16 = LLM(str(tiny_llama_dir), **kw).llm_engine.config.cache_config.num_blocks
-    fp8 = LLM(str(tiny_llama_dir), kv_cache_dtype="fp8", **kw).llm_engine.config.cache_config.num_blocks
+    bf16 = LLM(str(tiny_llama_dir), **kw).llm_engine.startup_stats()["num_blocks"]
+    fp8 = LLM(str(tiny_llama_dir), kv_cache_dtype="fp8", **kw).llm_engine.startup_stats()["num_blocks"]
     assert fp8 == 2 * bf16
 
 

@@ -32,8 +32,9 @@ def test_slot_numbers_from_the_spec():
 
 def test_prefill_of_100_tokens_pads_to_128_with_slot_minus_one(tiny_llama_dir):
     llm = _llm(tiny_llama_dir, block_size=64)
-    item = ScheduledRequest("x", list(range(3, 103)), 0, [10, 15], True, True, num_tokens_padded=128)
-    input_ids, positions, meta, last_rows = _runner(llm).prepare_inputs(SchedulerOutput([item]))
+    item = ScheduledRequest("x", list(range(3, 103)), 0, [10, 15], True)
+    so = SchedulerOutput([item], is_prefill=True, num_padded=128)
+    input_ids, positions, meta, last_rows = _runner(llm).prepare_inputs(so)
     slots = meta.slot_mapping.tolist()
     assert slots == list(range(640, 704)) + list(range(960, 996)) + [-1] * 28
     assert input_ids.shape == (128,) and last_rows == [99]
@@ -42,15 +43,17 @@ def test_prefill_of_100_tokens_pads_to_128_with_slot_minus_one(tiny_llama_dir):
 
 def test_decode_batch_pads_with_null_rows(tiny_llama_dir):
     llm = _llm(tiny_llama_dir)
-    items = [ScheduledRequest(f"r{i}", [7], 20 + i, [3 + i, 9 + i], False, False, 1) for i in range(3)]
-    input_ids, positions, meta, last_rows = _runner(llm).prepare_inputs(SchedulerOutput(items))
+    items = [ScheduledRequest(f"r{i}", [7], 20 + i, [3 + i, 9 + i], False) for i in range(3)]
+    so = SchedulerOutput(items, is_prefill=False, num_padded=4, ctx_bucket=256)
+    input_ids, positions, meta, last_rows = _runner(llm).prepare_inputs(so)
     assert input_ids.shape == (4,) and last_rows == [0, 1, 2]
     assert meta.slot_mapping.tolist()[3] == -1
     assert meta.block_table[3].eq(0).all()  # the dummy row reads only the null block
     # Default context ladder [256]: positions up to 23 read 256 // 16 blocks, not max_model_len's.
     assert meta.block_table.shape[1] == 256 // 16
     off = _llm(tiny_llama_dir, additional_config={"decode_context_length_buckets": None})
-    _, _, meta, _ = _runner(off).prepare_inputs(SchedulerOutput(items))
+    so = SchedulerOutput(items, is_prefill=False, num_padded=4, ctx_bucket=512)
+    _, _, meta, _ = _runner(off).prepare_inputs(so)
     assert meta.block_table.shape[1] == 512 // 16  # context bucketing off: max_model_len wide
 
 
@@ -71,8 +74,7 @@ def test_padding_never_writes_the_kv_cache(tiny_llama_dir, monkeypatch):
             per_slot = (b != a).reshape(2, b.shape[1] * b.shape[2], -1).any(-1).any(0)
             changed = per_slot.nonzero().flatten().tolist()
             assert set(changed) <= real_slots
-        padded = so.scheduled[0].num_tokens_padded > len(so.scheduled[0].token_ids) if so.is_prefill \
-            else len(so.scheduled) not in (1, 2, 4, 8)
+        padded = so.num_padded > so.total_num_scheduled_tokens
         if padded:
             checked["prefill" if so.is_prefill else "decode"] += 1
         return out
@@ -115,7 +117,7 @@ def test_identical_outputs_with_buckets_and_context_buckets_on_and_off(tmp_path,
         alone = _outputs(llm, [prompts[1]], params)  # 120 prompt tokens: decode crosses 128
         assert alone[0][0] == results[name][1][0]
         if name == "ctx":
-            ctx = _runner(llm).stats.decode_ctx
+            ctx = llm.llm_engine.get_stats()["buckets"].decode_ctx
             assert ctx[128] > 0 and ctx[256] > 0  # both buckets were really used
     ref = results["off"]
     for name, got in results.items():
@@ -124,12 +126,15 @@ def test_identical_outputs_with_buckets_and_context_buckets_on_and_off(tmp_path,
             assert lps == pytest.approx(ref_lps, abs=1e-5), name
 
 
-def test_bucket_stats_count_padding(tiny_llama_dir):
-    llm = _llm(tiny_llama_dir)
-    stats = _runner(llm).stats
+@pytest.mark.parametrize("prefills", [1, 8])
+def test_bucket_stats_count_padding(tiny_llama_dir, prefills):
+    llm = _llm(tiny_llama_dir, additional_config={"max_num_prefills_per_step": prefills})
+    stats = llm.llm_engine.get_stats()["buckets"]
     assert set(stats.decode) == {1, 2, 4, 8} and all(c.executions == 0 for c in stats.decode.values())
     llm.generate([[5] * 10, [6] * 20, [7] * 30], SamplingParams(max_tokens=3, ignore_eos=True))
-    assert stats.prefill[128].executions == 3 and stats.prefill[128].padding == 3 * 128 - 60
+    steps = 3 if prefills == 1 else 1  # packed: the three prompts share one 128-token step
+    assert stats.prefill[128].executions == steps
+    assert stats.prefill[128].padding == steps * 128 - 60
     assert stats.decode[4].executions >= 1 and stats.decode[4].padding >= 1
 
 
@@ -166,7 +171,8 @@ def test_eager_warmup_runs_each_row_count_then_leaves_no_trace(tiny_llama_dir, m
     # One dummy step per prefill bucket (from position 0) and per decode batch bucket.
     assert sorted(n for prefill, n in rows_seen if prefill) == list(grid.num_batched_tokens_buckets)
     assert sorted(n for prefill, n in rows_seen if not prefill) == list(grid.num_seqs_buckets)
-    assert llm.llm_engine.engine_core.executor.worker.warmup_seconds > 0
+    assert llm.llm_engine.startup_stats()["warmup_seconds"] > 0
     # No trace: the null block is zero again and no bucket counted an execution.
     assert all(bool((cache[:, 0] == 0).all()) for cache in runner.kv_caches)
-    assert runner.stats == type(runner.stats).for_grid(grid)
+    stats = llm.llm_engine.get_stats()["buckets"]
+    assert stats == type(stats).for_grid(grid)

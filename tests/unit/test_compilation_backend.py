@@ -37,6 +37,12 @@ def test_compilation_defaults_and_flag_validation(tiny_llama_dir):
                 additional_config={"enable_bucketing": False})
 
 
+def _worker(cfg) -> Worker:
+    worker = Worker(cfg)
+    worker.initialize_cache(worker.determine_num_blocks())
+    return worker
+
+
 def test_warmup_shapes_cover_every_bucket_once(tiny_llama_dir):
     cfg = _config(tiny_llama_dir, additional_config={"decode_context_length_buckets": [128]})
     shapes = warmup_shapes(cfg)
@@ -55,7 +61,7 @@ def test_warmup_shapes_cover_every_bucket_once(tiny_llama_dir):
 
 def test_warmup_inputs_have_the_bucket_shapes(tiny_llama_dir):
     cfg = _config(tiny_llama_dir, additional_config={"decode_context_length_buckets": [128]})
-    worker = Worker(cfg)
+    worker = _worker(cfg)
     for shape in warmup_shapes(cfg):
         ids, _, meta, _ = worker.model_runner.prepare_inputs(warmup_scheduler_output(shape))
         assert ids.shape[0] == shape.num_tokens
@@ -69,7 +75,7 @@ def test_backend_pipeline_matches_eager_and_layers_share_one_graph(
     cfg = _config(tiny_llama_dir, compile=True, enable_fx_passes=enable_fx_passes,
                   cache_dir=str(tmp_path))
     cfg.compilation.enabled = False  # build the worker eagerly; compile by hand below
-    worker = Worker(cfg)
+    worker = _worker(cfg)
     runner = worker.model_runner
     shapes = [s for s in warmup_shapes(cfg) if s.start_position == 0][:1] + [
         s for s in warmup_shapes(cfg) if s.kind == "decode"][:2]
@@ -108,7 +114,7 @@ def test_hit_only_miss_is_a_clear_error(tiny_llama_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("INGOT_DISABLE_WARMUP_COMPILE", "1")
     cfg = _config(tiny_llama_dir, compile=True, cache_dir=str(tmp_path / "empty"))
     with pytest.raises(CompileCacheMissError, match="ingot compile"):
-        Worker(cfg)
+        _worker(cfg)
 
 
 def test_compile_cli_rejects_enforce_eager(tiny_llama_dir, capsys):

@@ -43,14 +43,19 @@ def _engine(
     stats: BucketStats, pool: BlockPool, running: int = 0, waiting: int = 0,
     prefix: PrefixCacheStats | None = None,
 ):
-    return SimpleNamespace(
-        scheduler=SimpleNamespace(num_running=running, num_waiting=waiting),
-        engine_core=SimpleNamespace(
-            kv_cache_manager=SimpleNamespace(pool=pool, stats=prefix or PrefixCacheStats()),
-            executor=SimpleNamespace(worker=SimpleNamespace(model_runner=SimpleNamespace(
-                stats=stats))),
-        ),
-    )
+    """An engine stand-in whose get_stats() reads the given objects at each call, as
+    LLMEngine.get_stats() does."""
+    prefix = prefix or PrefixCacheStats()
+
+    def get_stats() -> dict:
+        return {
+            "num_running": running, "num_waiting": waiting, "kv_usage": pool.usage(),
+            "kv_blocks_free": pool.num_free_blocks, "prefix_cache_queries": prefix.queries,
+            "prefix_cache_hits": prefix.hits, "prefix_cache_hit_rate": prefix.hit_rate,
+            "buckets": stats, "compilation": {},
+        }
+
+    return SimpleNamespace(get_stats=get_stats)
 
 
 def _out(rid: str, prompt_len: int, tokens: list[list[int]], reasons: list[str | None],

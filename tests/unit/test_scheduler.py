@@ -4,44 +4,44 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from ingot.config import SchedulerConfig
 from ingot.core.buckets import BucketGrid
 from ingot.core.kv_cache_manager import KVCacheManager
+from ingot.core.request import Request, RequestStatus
 from ingot.core.scheduler import Scheduler, SchedulerState
-from ingot.engine.request import Request, RequestStatus
 from ingot.engine.sampling_params import SamplingParams
+from ingot.worker.outputs import ModelRunnerOutput
 
 
 def make_scheduler(
     num_blocks=200, block_size=16, max_model_len=512, max_num_seqs=8, max_batched=128,
-    additional=None,
+    additional=None, prefills=1,
 ) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs, max_batched, max_model_len, True)
+    config = SchedulerConfig(max_num_seqs, max_batched, max_model_len, True, prefills)
     grid = BucketGrid.from_config(additional or {}, max_batched, max_num_seqs, max_model_len, block_size)
     return Scheduler(config, KVCacheManager(num_blocks, block_size, max_model_len), grid)
 
 
 def make_request(i: int, prompt_len: int, max_tokens: int) -> Request:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    return Request(f"r{i}", [5] * prompt_len, params, eos_token_id=None)
+    return Request(f"r{i}", [5] * prompt_len, params)
 
 
 def step(sched: Scheduler):
-    """One step with a fake runner: every sampling request gets token 7."""
+    """One step with a fake runner: every sampling request gets token 7 (the scheduler
+    appends it and stops requests at max_tokens)."""
     out = sched.schedule()
-    sched.update_from_output(out)
-    for item in out.scheduled:
-        if item.sample:
-            req = sched.requests[item.req_id]
-            req.output_token_ids.append(7)
-            if len(req.output_token_ids) >= req.sampling_params.max_tokens:
-                sched.finish_request(item.req_id, RequestStatus.FINISHED_LENGTH)
+    sampled = [item.req_id for item in out.scheduled if item.sample]
+    sched.update_from_output(out, ModelRunnerOutput(sampled, [7] * len(sampled)))
     return out
 
 
-def test_randomized_invariants_over_1000_steps():
+@pytest.mark.parametrize("prefills", [1, 4])
+def test_randomized_invariants_over_1000_steps(prefills):
     rng = random.Random(0)
-    sched = make_scheduler()
+    sched = make_scheduler(prefills=prefills)
     pool = sched.kv.pool
     start_free = pool.num_free_blocks
     assert sched.max_kv_concurrent == 199 // 32  # 6 full-length requests fit
@@ -62,10 +62,17 @@ def test_randomized_invariants_over_1000_steps():
             aborted.add(victim)
         out = step(sched)
         admitted_order += [n.req_id for n in out.new_requests]
-        kinds = {s.is_prefill for s in out.scheduled}
-        assert len(kinds) <= 1, "mixed prefill and decode"
-        assert sum(s.is_prefill for s in out.scheduled) <= 1
-        assert len(out.new_requests) <= 1
+        if out.is_prefill:
+            assert 1 <= len(out.scheduled) <= prefills
+            assert out.total_num_scheduled_tokens <= out.num_padded <= 128
+            assert all(sched.requests[s.req_id].num_computed_tokens
+                       <= sched.requests[s.req_id].num_prompt_tokens for s in out.scheduled
+                       if s.req_id in sched.requests)
+        else:  # a decode step: every running request, one token each
+            assert all(s.num_tokens == 1 for s in out.scheduled)
+            # (requests that finished this step have left sched.running already)
+            assert {s.req_id for s in out.scheduled} >= {r.request_id for r in sched.running}
+        assert len(out.new_requests) <= prefills
         assert len(sched.running) <= min(sched.max_kv_concurrent, 8)
         for s in out.scheduled:
             assert len(s.token_ids) <= 128
@@ -102,11 +109,11 @@ def test_5000_token_prompt_pads_to_8192_and_next_step_decodes():
     sched.add_request(make_request(0, 5000, 3))
     out = step(sched)
     (item,) = out.scheduled
-    assert len(item.token_ids) == 5000 and item.num_tokens_padded == 8192
+    assert len(item.token_ids) == 5000 and out.num_padded == 8192
     assert len(item.block_ids) == 313  # ceil(5000 / 16): padding allocates nothing
     assert sched.total_padding_tokens == 3192
     out = step(sched)
-    assert not out.is_prefill and out.scheduled[0].num_tokens_padded == 1
+    assert not out.is_prefill and out.num_padded == 1
 
 
 def test_kv_bound_caps_running_requests():
@@ -127,8 +134,8 @@ def test_kv_bound_caps_running_requests():
 def test_bucketing_off_keeps_actual_counts():
     sched = make_scheduler(additional={"enable_bucketing": False})
     sched.add_request(make_request(0, 50, 2))
-    (item,) = step(sched).scheduled
-    assert item.num_tokens_padded == 50
+    out = step(sched)
+    assert out.num_padded == 50 and out.scheduled[0].num_tokens == 50
 
 
 def test_token_ids_between_matches_all_token_ids():
@@ -138,3 +145,51 @@ def test_token_ids_between_matches_all_token_ids():
     for start in range(9):
         for end in range(start, 9):
             assert req.token_ids_between(start, end) == req.all_token_ids[start:end]
+
+
+def test_packed_prefill_takes_up_to_max_prefills_then_decodes_everyone():
+    sched = make_scheduler(prefills=4)
+    for i in range(5):
+        sched.add_request(make_request(i, 30, 3))
+    out = step(sched)
+    assert out.is_prefill and [s.req_id for s in out.scheduled] == ["r0", "r1", "r2", "r3"]
+    assert out.total_num_scheduled_tokens == 120 and out.num_padded == 128
+    assert [s.start_position for s in out.scheduled] == [0, 0, 0, 0]
+    assert all(s.sample for s in out.scheduled)
+    assert sched.bucket_stats.prefill[128].executions == 1
+    assert sched.bucket_stats.prefill[128].padding == 8
+    out = step(sched)
+    assert out.is_prefill and [s.req_id for s in out.scheduled] == ["r4"]
+    out = step(sched)
+    assert not out.is_prefill and len(out.scheduled) == 5 and out.num_padded == 8
+
+
+def test_packed_prefill_splits_the_last_prompt_at_the_token_budget():
+    sched = make_scheduler(prefills=4)
+    for i in range(3):
+        sched.add_request(make_request(i, 100, 2))
+    out = step(sched)
+    # r0 fills 100 of 128 tokens; r1 joins (the budget is not full) and gets the other 28.
+    assert [(s.req_id, s.start_position, s.num_tokens, s.sample) for s in out.scheduled] == [
+        ("r0", 0, 100, True), ("r1", 0, 28, False)]
+    out = step(sched)
+    # r1 continues from 28; r2 joins behind it.
+    assert [(s.req_id, s.start_position, s.num_tokens) for s in out.scheduled] == [
+        ("r1", 28, 72), ("r2", 0, 56)]
+    assert sched.requests["r0"].output_token_ids == [7]  # no decode while prompts remain
+
+
+def test_update_from_output_stops_at_eos_after_min_tokens_and_frees_blocks():
+    sched = make_scheduler()
+    params = SamplingParams(max_tokens=10, min_tokens=2)
+    params.all_stop_token_ids |= {7}
+    sched.add_request(Request("a", [5] * 20, params))
+    free = sched.kv.pool.num_free_blocks
+    outs = []
+    for _ in range(2):
+        outs.append(sched.update_from_output(sched.schedule(), ModelRunnerOutput(["a"], [7])))
+    # The first 7 comes before min_tokens is reached, so only the second one stops it.
+    assert [o[0].new_token_ids for o in outs] == [[7], [7]]
+    assert [o[0].finish_status for o in outs] == [None, RequestStatus.FINISHED_STOPPED]
+    assert sched.schedule().is_empty
+    assert "a" not in sched.requests and sched.kv.pool.num_free_blocks == free

@@ -393,7 +393,9 @@ def capture_ingot(
     each step's phase and which request owns which rows.
     """
     engine = llm.llm_engine
-    worker = engine.engine_core.executor.worker
+    from ingot.accuracy.ingot_runner import local_worker
+
+    worker = local_worker(engine)
     runner = worker.model_runner
     metadata = {
         "model": engine.model_config.model,

@@ -21,6 +21,22 @@ from ingot.engine.sampling_params import SamplingParams
 _ids = itertools.count()
 
 
+def _the_worker(worker: Any) -> Any:
+    return worker
+
+
+def local_worker(engine: Any) -> Any:
+    """The engine's worker object, for tools that hook its model in this process (captures,
+    replacements, logits recording). Reached through ``collective_rpc``; refused when the
+    worker runs in another process."""
+    if not engine.workers_are_local:
+        raise ValueError(
+            "the accuracy toolkit hooks the model in this process; run the engine with "
+            "distributed_executor_backend='uni'"
+        )
+    return engine.collective_rpc(_the_worker)[0]
+
+
 @dataclass
 class GenerateResult:
     tokens: list[int]  # greedy tokens, one per recorded logits row
@@ -57,7 +73,7 @@ class IngotRunner:
     def __init__(self, llm: Any) -> None:
         self.llm = llm
         self.engine = llm.llm_engine
-        self.worker = self.engine.engine_core.executor.worker
+        self.worker = local_worker(self.engine)
         self.model: nn.Module = self.worker.model
 
     @property
@@ -72,7 +88,7 @@ class IngotRunner:
 
     def request_blocks(self, request_id: str) -> list[int]:
         """The block ids of a running request (freed when it finishes)."""
-        return list(self.engine.engine_core.kv_cache_manager.req_blocks[request_id])
+        return self.engine.request_blocks(request_id)
 
     def generate(
         self,

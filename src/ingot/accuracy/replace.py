@@ -152,7 +152,9 @@ def replace_modules(
     with a reference capture while the block is active."""
     model = llm_or_model
     if hasattr(llm_or_model, "llm_engine"):
-        model = llm_or_model.llm_engine.engine_core.executor.worker.model
+        from ingot.accuracy.ingot_runner import local_worker
+
+        model = local_worker(llm_or_model.llm_engine).model
     tensors, tokens = reference_from_capture(reference, modules)
     replacer = TensorReplacer(model, tensors, tokens)
     try:

@@ -146,12 +146,13 @@ def warmup_scheduler_output(shape: WarmupShape) -> Any:
 
     blocks = [NULL_BLOCK_ID] * shape.width
     if shape.kind == "prefill":
-        items = [ScheduledRequest("warmup-0", [0] * shape.num_real, shape.start_position, blocks, False, True,
-                                  num_tokens_padded=shape.num_tokens)]
-    else:
-        items = [ScheduledRequest(f"warmup-{i}", [0], shape.start_position, blocks, False, False)
-                 for i in range(shape.num_reqs)]
-    return SchedulerOutput(items)
+        items = [ScheduledRequest("warmup-0", [0] * shape.num_real, shape.start_position, blocks,
+                                  False)]
+        return SchedulerOutput(items, is_prefill=True, num_padded=shape.num_tokens)
+    items = [ScheduledRequest(f"warmup-{i}", [0], shape.start_position, blocks, False)
+             for i in range(shape.num_reqs)]
+    return SchedulerOutput(items, is_prefill=False, num_padded=shape.num_tokens,
+                           ctx_bucket=shape.start_position + 1)
 
 
 def _source_digest() -> str:

@@ -3,14 +3,21 @@
 Each step:
 1. every waiting request moves to a holdback queue and is re-admitted FIFO while
    ``can_schedule`` allows (stopping at the first refusal keeps the order);
-2. if a running request is still prefilling, only its next segment runs (decodes are held back);
-   else if a request was just admitted, only its first segment runs; else all running requests
-   decode one token;
-3. prefill and decode are never in one batch, and at most one prefill runs per step.
+2. if any running request still has prompt tokens to compute, a prefill step runs: the
+   segments of up to ``max_num_prefills_per_step`` such requests (oldest first) are packed into
+   one token bucket, decodes held back; else all running requests decode one token;
+3. prefill and decode are never in one batch.
+
+Packing several prompts into one step is a deliberate change from the original's one prefill
+per step: on CPU the linear layers run 2.3-3.6x cheaper per token at 2048 rows than at 128
+(docs/features.md). ``max_num_prefills_per_step: 1`` restores the original behaviour.
 
 Admission is bounded by the worst-case KV concurrency: at most
 ``usable_blocks // ceil(max_model_len / block_size)`` requests run at once, so every running
 request can grow to ``max_model_len`` and nothing ever needs to be preempted.
+
+The scheduler owns each request's tokens: ``update_from_output`` appends what the model
+sampled, applies EOS / stop-token / length stops and frees finished requests' blocks.
 """
 
 from __future__ import annotations
@@ -22,10 +29,11 @@ from collections import deque
 from ingot.config import SchedulerConfig
 from ingot.core.buckets import BucketGrid
 from ingot.core.kv_cache_manager import KVCacheManager, cdiv
+from ingot.core.outputs import EngineCoreOutput
+from ingot.core.request import Request, RequestStatus
 from ingot.core.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
-from ingot.engine.request import Request, RequestStatus
-
-MAX_PREFILLS_PER_BATCH = 1
+from ingot.metrics.stats import BucketStats
+from ingot.worker.outputs import ModelRunnerOutput
 
 
 class SchedulerState(enum.Enum):
@@ -51,12 +59,19 @@ class Scheduler:
             kv_cache_manager.pool.num_blocks, kv_cache_manager.block_size,
             config.max_model_len, config.max_num_seqs,
         )
+        # Tokens one prefill step may hold: the largest token bucket.
+        self.prefill_token_budget = (
+            min(grid.num_batched_tokens_buckets[-1], config.max_num_batched_tokens)
+            if grid.enabled else config.max_num_batched_tokens
+        )
         self.waiting: deque[Request] = deque()
         self.holdback: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.state = SchedulerState.IDLE
         self.total_padding_tokens = 0
+        # Executions and padding per bucket, derived from the steps as they are scheduled.
+        self.bucket_stats = BucketStats.for_grid(grid)
         self._finished_ids: set[str] = set()
 
     # ---- request lifecycle -------------------------------------------------------------
@@ -92,20 +107,26 @@ class Scheduler:
     def _in_prefill(request: Request) -> bool:
         return request.num_computed_tokens < request.num_prompt_tokens
 
-    def can_schedule(self, num_admitted: int) -> bool:
-        if len(self.running) >= self.config.max_num_seqs:
+    def _prefill_work(self) -> tuple[int, int]:
+        """(requests still prefilling, prompt tokens they have left)."""
+        pending = [r for r in self.running if self._in_prefill(r)]
+        return len(pending), sum(r.num_prompt_tokens - r.num_computed_tokens for r in pending)
+
+    def can_schedule(self, num_prefilling: int, tokens_left: int) -> bool:
+        """One more request may join: a free sequence slot, KV for its worst case, a free
+        place among this step's packed prefills and room in its token budget."""
+        if len(self.running) >= min(self.config.max_num_seqs, self.max_kv_concurrent):
             return False
-        if any(self._in_prefill(r) for r in self.running):
+        if num_prefilling >= self.config.max_num_prefills_per_step:
             return False
-        if num_admitted >= MAX_PREFILLS_PER_BATCH:
-            return False
-        return len(self.running) < self.max_kv_concurrent
+        return tokens_left < self.prefill_token_budget
 
     def _admit(self) -> list[NewRequestData]:
         self.holdback.extend(self.waiting)
         self.waiting.clear()
         admitted: list[NewRequestData] = []
-        while self.holdback and self.can_schedule(len(admitted)):
+        num_prefilling, tokens_left = self._prefill_work()
+        while self.holdback and self.can_schedule(num_prefilling, tokens_left):
             request = self.holdback.popleft()
             # A request that wants prompt logprobs needs logits at every prompt position, so it
             # computes its whole prompt (its blocks are still published for others), as in vLLM.
@@ -113,8 +134,10 @@ class Scheduler:
             request.num_computed_tokens = self.kv.admit(request.request_id, lookup)
             request.num_cached_tokens = request.num_computed_tokens
             request.status = RequestStatus.RUNNING
-            request.metrics.first_scheduled_time = time.time()
+            request.first_scheduled_time = time.time()
             self.running.append(request)
+            num_prefilling += 1
+            tokens_left += request.num_prompt_tokens - request.num_computed_tokens
             admitted.append(
                 NewRequestData(request.request_id, request.prompt_token_ids, request.sampling_params)
             )
@@ -122,7 +145,7 @@ class Scheduler:
         return admitted
 
     # ---- scheduling --------------------------------------------------------------------
-    def _schedule(self, request: Request, n: int, padded: int, is_prefill: bool) -> ScheduledRequest:
+    def _schedule(self, request: Request, n: int) -> ScheduledRequest:
         start = request.num_computed_tokens
         blocks = self.kv.allocate_slots(request.request_id, start + n)  # actual tokens only
         return ScheduledRequest(
@@ -131,41 +154,92 @@ class Scheduler:
             start_position=start,
             block_ids=list(blocks),
             sample=start + n == request.num_tokens,
-            is_prefill=is_prefill,
-            num_tokens_padded=padded,
         )
 
     def schedule(self) -> SchedulerOutput:
         new_requests = self._admit()
         prefilling = [r for r in self.running if self._in_prefill(r)]
         scheduled: list[ScheduledRequest] = []
-        if prefilling:
-            request = prefilling[0]
-            remaining = request.num_prompt_tokens - request.num_computed_tokens
-            n = min(remaining, self.grid.num_batched_tokens_buckets[-1] if self.grid.enabled
-                    else self.config.max_num_batched_tokens, self.config.max_num_batched_tokens)
-            padded = self.grid.prefill_bucket(n)
-            self.total_padding_tokens += padded - n
-            scheduled.append(self._schedule(request, n, padded, is_prefill=True))
-            self.state = SchedulerState.ACTIVE_PREFILL
-        elif self.running:
-            scheduled = [self._schedule(r, 1, 1, is_prefill=False) for r in self.running]
-            self.state = SchedulerState.ACTIVE_DECODE
-        else:
-            self.state = SchedulerState.IDLE
-        if len({s.is_prefill for s in scheduled}) > 1:
-            raise RuntimeError("scheduler produced a batch mixing prefill and decode")
         finished, self._finished_ids = self._finished_ids, set()
-        return SchedulerOutput(scheduled, new_requests, finished)
+        grid = self.grid
+        if prefilling:
+            budget = self.prefill_token_budget
+            for request in prefilling[: self.config.max_num_prefills_per_step]:
+                if budget == 0:
+                    break
+                n = min(request.num_prompt_tokens - request.num_computed_tokens, budget)
+                scheduled.append(self._schedule(request, n))
+                budget -= n
+            total = sum(s.num_tokens for s in scheduled)
+            padded = grid.prefill_bucket(total)
+            self.total_padding_tokens += padded - total
+            if grid.enabled:
+                self.bucket_stats.record_prefill(padded, total)
+            self.state = SchedulerState.ACTIVE_PREFILL
+            return SchedulerOutput(scheduled, new_requests, finished, True, padded)
+        if self.running:
+            scheduled = [self._schedule(r, 1) for r in self.running]
+            padded = grid.decode_bucket(len(scheduled))
+            ctx = None
+            if grid.enabled:
+                # Smallest context bucket covering the longest request after this token.
+                ctx = grid.decode_ctx_bucket(max(s.start_position for s in scheduled) + 1)
+                self.bucket_stats.record_decode(
+                    padded, len(scheduled), ctx if grid.decode_context_length_buckets else None
+                )
+            self.state = SchedulerState.ACTIVE_DECODE
+            return SchedulerOutput(scheduled, new_requests, finished, False, padded, ctx)
+        self.state = SchedulerState.IDLE
+        return SchedulerOutput([], new_requests, finished)
 
-    def update_from_output(self, output: SchedulerOutput) -> None:
-        """Advance computed-token counts for what ran (sampled tokens are appended by the
-        engine, which also decides when a request stops)."""
-        for item in output.scheduled:
+    # ---- results -----------------------------------------------------------------------
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        num_out = len(request.output_token_ids)
+        if num_out >= params.min_tokens and token in params.all_stop_token_ids:
+            request.stop_reason = token if token in params.stop_token_ids else None
+            return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and num_out >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def update_from_output(
+        self, so: SchedulerOutput, output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Apply one step's results: advance computed tokens (publishing full blocks to the
+        prefix cache), append sampled tokens, stop finished requests and free their blocks.
+        Returns one output per request that ran this step and is still known to the core."""
+        results: dict[str, EngineCoreOutput] = {}
+        for item in so.scheduled:
             request = self.requests.get(item.req_id)
-            if request is not None:
-                request.num_computed_tokens += len(item.token_ids)
-                if self.kv.has_uncached_full_blocks(request.request_id, request.num_computed_tokens):
-                    self.kv.cache_full_blocks(
-                        request.request_id, request.all_token_ids, request.num_computed_tokens
-                    )
+            if request is None:  # finished (aborted) while its step ran
+                continue
+            request.num_computed_tokens += item.num_tokens
+            if self.kv.has_uncached_full_blocks(request.request_id, request.num_computed_tokens):
+                self.kv.cache_full_blocks(
+                    request.request_id, request.all_token_ids, request.num_computed_tokens
+                )
+            out = EngineCoreOutput(
+                item.req_id, num_cached_tokens=request.num_cached_tokens,
+                first_scheduled_time=request.first_scheduled_time,
+                new_prompt_logprobs=output.prompt_logprobs.get(item.req_id),
+            )
+            results[item.req_id] = out
+        for req_id, token in zip(output.req_ids, output.sampled_token_ids, strict=True):
+            request = self.requests.get(req_id)
+            out = results.get(req_id)
+            if request is None or out is None:
+                continue
+            request.output_token_ids.append(token)
+            out.new_token_ids.append(token)
+            lp = output.logprobs.get(req_id)
+            if lp is not None:
+                out.new_logprobs.append(lp)
+            status = self._check_stop(request, token)
+            if status is not None:
+                out.finish_status = status
+                out.stop_reason = request.stop_reason if isinstance(request.stop_reason, int) else None
+                self.finish_request(req_id, status)
+        return list(results.values())

@@ -103,6 +103,7 @@ class AsyncLLM:
             while not self._stopped:
                 self._run_commands()
                 if not engine.has_unfinished_requests():
+                    engine.check_health()  # a worker process that died while idle
                     self._wakeup.wait(timeout=0.5)
                     self._wakeup.clear()
                     continue
@@ -211,3 +212,4 @@ class AsyncLLM:
         self._thread.join(timeout=10)
         if self._thread.is_alive():
             logger.warning("the engine thread did not stop within 10 s")
+        self.engine.shutdown()

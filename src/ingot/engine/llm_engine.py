@@ -11,50 +11,53 @@ import itertools
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ingot.config import EngineArgs, EngineConfig
-from ingot.core.kv_cache_manager import KVCacheManager
-from ingot.core.scheduler import Scheduler
+from ingot.core.outputs import EngineCoreOutput
+from ingot.core.request import Request, RequestStatus
+from ingot.engine.core import EngineCore
 from ingot.engine.detokenizer import IncrementalDetokenizer
-from ingot.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from ingot.engine.request import Request, RequestStatus
+from ingot.engine.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    SampleLogprobs,
+)
 from ingot.engine.sampling_params import SamplingParams
 from ingot.engine.tokenizer import load_tokenizer
 from ingot.errors import PromptTooLongError
-from ingot.worker.executor import UniProcExecutor
-from ingot.worker.model_runner import ModelRunnerOutput
+from ingot.worker.executor import RpcMethod
 
 logger = logging.getLogger("ingot")
 
 PromptType = str | Mapping[str, Any] | list[int]
 
 
-class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.executor = UniProcExecutor(config)
-        self.kv_cache_manager = KVCacheManager(
-            self.executor.num_blocks,
-            config.cache_config.block_size,
-            config.model_config.max_model_len,
-            enable_prefix_caching=config.cache_config.enable_prefix_caching,
-        )
-        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, config.buckets)
-        logger.info(
-            "bucket grid: %s; at most %d requests at once (KV bound)",
-            config.buckets.describe(),
-            min(self.scheduler.max_kv_concurrent, config.scheduler_config.max_num_seqs),
-        )
+@dataclass
+class _ReqState:
+    """What the front end keeps of one (child) request: what users see of it. The tokens'
+    owner is the core; this is the copy that outputs are built from."""
 
-    def step(self) -> tuple[list[str], ModelRunnerOutput]:
-        so = self.scheduler.schedule()
-        if so.is_empty:
-            return [], ModelRunnerOutput([], [])
-        output = self.executor.execute_model(so)
-        self.scheduler.update_from_output(so)
-        return [it.req_id for it in so.scheduled], output
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+    metrics: RequestMetrics
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
@@ -73,10 +76,9 @@ class LLMEngine:
         self.model_config = config.model_config
         self.tokenizer = load_tokenizer(config.model_config)
         self.engine_core = EngineCore(config)
-        self.scheduler = self.engine_core.scheduler
         self.eos_token_ids = self._eos_token_ids()
         self.eos_token_id = next(iter(sorted(self.eos_token_ids)), None)
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, _ReqState] = {}
         self.parents: dict[str, _Parent] = {}
         self._child_to_parent: dict[str, str] = {}
         self._ids = itertools.count()
@@ -154,22 +156,23 @@ class LLMEngine:
             if not params.ignore_eos:
                 child_params.all_stop_token_ids |= self.eos_token_ids
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
-            children.append(self._make_request(child_id, text, token_ids, child_params, arrival_time))
+            children.append(self._make_request(child_id, token_ids, child_params, arrival_time))
         self.parents[request_id] = _Parent(request_id, [c.request_id for c in children], text, token_ids)
         for child in children:
-            self.scheduler.add_request(child)
             self.requests[child.request_id] = child
             self._child_to_parent[child.request_id] = request_id
+            self.engine_core.add_request(
+                Request(child.request_id, token_ids, child.params, child.metrics.arrival_time)
+            )
         return request_id
 
     def _make_request(
         self,
         req_id: str,
-        text: str | None,
         token_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None,
-    ) -> Request:
+    ) -> _ReqState:
         detok = None
         if self.tokenizer is not None and params.detokenize:
             detok = IncrementalDetokenizer(
@@ -180,7 +183,14 @@ class LLMEngine:
                 include_stop_str_in_output=params.include_stop_str_in_output,
                 min_tokens=params.min_tokens,
             )
-        return Request(req_id, token_ids, params, self.eos_token_id, text, arrival_time, detok)
+        with_lp = params.logprobs is not None
+        return _ReqState(
+            req_id, token_ids, params, detok,
+            RequestMetrics(arrival_time=arrival_time or time.time()),
+            logprobs=[] if with_lp else None,
+            cumulative_logprob=0.0 if with_lp else None,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+        )
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
@@ -188,8 +198,8 @@ class LLMEngine:
             parent = self.parents.pop(parent_id, None)
             if parent is None:
                 continue
+            self.engine_core.finish_requests(parent.children, RequestStatus.FINISHED_ABORTED)
             for child in parent.children:
-                self.scheduler.finish_request(child, RequestStatus.FINISHED_ABORTED)
                 self.requests.pop(child, None)
                 self._child_to_parent.pop(child, None)
 
@@ -198,37 +208,43 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; refused (False) while requests hold blocks."""
-        return self.engine_core.kv_cache_manager.reset_prefix_cache()
+        return self.engine_core.reset_prefix_cache()
 
     def start_profile(self) -> None:
-        self.engine_core.executor.profile(is_start=True)
+        self.engine_core.collective_rpc("profile", (True,))
 
     def stop_profile(self) -> str | None:
         """Stops the profiler; returns the trace path (None if nothing was recorded)."""
-        return self.engine_core.executor.profile(is_start=False)
+        return self.engine_core.collective_rpc("profile", (False,))[0]
 
     def get_stats(self) -> dict[str, Any]:
         """Scheduler and KV cache state plus per-bucket padding counters (plain numbers)."""
-        scheduler = self.scheduler
-        kv = self.engine_core.kv_cache_manager
-        pool = kv.pool
-        runner_stats = self.engine_core.executor.worker.model_runner.stats
-        return {
-            "scheduler_state": scheduler.state.value,
-            "num_running": scheduler.num_running,
-            "num_waiting": scheduler.num_waiting,
-            "max_kv_concurrent": scheduler.max_kv_concurrent,
-            "total_padding_tokens": scheduler.total_padding_tokens,
-            "kv_blocks_total": pool.num_usable_blocks,
-            "kv_blocks_free": pool.num_free_blocks,
-            "kv_blocks_used": pool.num_usable_blocks - pool.num_free_blocks,
-            "kv_usage": pool.usage(),
-            "prefix_cache_queries": kv.stats.queries,
-            "prefix_cache_hits": kv.stats.hits,
-            "prefix_cache_hit_rate": kv.stats.hit_rate,
-            "buckets": runner_stats,
-            "compilation": self.engine_core.executor.worker.compile_stats(),
-        }
+        return self.engine_core.get_stats()
+
+    def startup_stats(self) -> dict[str, Any]:
+        """Rank 0's load, compile and warmup figures."""
+        return self.engine_core.collective_rpc("startup_stats")[0]
+
+    def collective_rpc(
+        self, method: RpcMethod, args: Any = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """Call a Worker method (or ``fn(worker, *args)``) on every worker."""
+        return self.engine_core.collective_rpc(method, args, kwargs)
+
+    @property
+    def workers_are_local(self) -> bool:
+        """The workers run in this process (the uni executor)."""
+        return self.engine_core.workers_are_local
+
+    def request_blocks(self, request_id: str) -> list[int]:
+        """The KV block ids a running request holds."""
+        return self.engine_core.request_blocks(request_id)
+
+    def check_health(self) -> None:
+        self.engine_core.check_health()
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.parents)
@@ -243,54 +259,53 @@ class LLMEngine:
             entries.setdefault(tid, Logprob(lp, rank, self._decoded(tid)))
         return entries
 
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        params = request.sampling_params
-        if len(request.output_token_ids) >= params.min_tokens and token in params.all_stop_token_ids:
-            request.stop_reason = token if token in params.stop_token_ids else None
-            return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and len(request.output_token_ids) >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.model_config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
-    def _process(self, scheduled: list[str], output: ModelRunnerOutput) -> set[str]:
-        """Apply one step's results; returns the parents whose outputs changed."""
+    def _process(self, core_outputs: list[EngineCoreOutput]) -> set[str]:
+        """Apply one step's core outputs; returns the parents whose outputs changed."""
         touched: set[str] = set()
         now = time.time()
-        for req_id, chunk in output.prompt_logprobs.items():
-            request = self.requests.get(req_id)
-            if request is None or request.prompt_logprobs is None:
+        stopped: list[str] = []
+        for out in core_outputs:
+            state = self.requests.get(out.req_id)
+            if state is None:
                 continue
-            for ids, lps, rank in zip(chunk.token_ids, chunk.logprobs, chunk.ranks, strict=True):
-                request.prompt_logprobs.append(self._logprob_dict(ids, lps, rank))
-        for req_id, token in zip(output.req_ids, output.sampled_token_ids, strict=True):
-            request = self.requests.get(req_id)
-            if request is None:
-                continue
-            request.output_token_ids.append(token)
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            lp = output.logprobs.get(req_id)
-            if lp is not None:
-                request.append_logprobs(self._logprob_dict(lp.token_ids, lp.logprobs, lp.rank), lp.logprobs[0])
-            status = self._check_stop(request, token)
-            if request.detokenizer is not None:
-                matched = request.detokenizer.update([token], finishing=status is not None)
-                if matched is not None and status is None:
-                    request.stop_reason = matched
-                    status = RequestStatus.FINISHED_STOPPED
-            if status is not None:
-                request.metrics.finished_time = now
-                self.scheduler.finish_request(req_id, status)
-            touched.add(self._child_to_parent[req_id])
-        for req_id in scheduled:
-            parent = self._child_to_parent.get(req_id)
-            if parent is not None and self.requests[req_id].prompt_logprobs is not None:
+            parent = self._child_to_parent[out.req_id]
+            state.num_cached_tokens = out.num_cached_tokens
+            if state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = out.first_scheduled_time
+            chunk = out.new_prompt_logprobs
+            if chunk is not None and state.prompt_logprobs is not None:
+                for ids, lps, rank in zip(chunk.token_ids, chunk.logprobs, chunk.ranks, strict=True):
+                    state.prompt_logprobs.append(self._logprob_dict(ids, lps, rank))
+            if state.prompt_logprobs is not None:
                 touched.add(parent)
+            if not out.new_token_ids:
+                continue
+            if state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+            state.output_token_ids.extend(out.new_token_ids)
+            for lp in out.new_logprobs:
+                assert state.logprobs is not None and state.cumulative_logprob is not None
+                state.logprobs.append(self._logprob_dict(lp.token_ids, lp.logprobs, lp.rank))
+                state.cumulative_logprob += lp.logprobs[0]
+            status = out.finish_status
+            if status is not None:
+                state.stop_reason = out.stop_reason
+            if state.detokenizer is not None:
+                matched = state.detokenizer.update(out.new_token_ids, finishing=status is not None)
+                if matched is not None and status is None:
+                    # A stop string: the core still runs the request; tell it to stop.
+                    state.stop_reason = matched
+                    status = RequestStatus.FINISHED_STOPPED
+                    stopped.append(out.req_id)
+            if status is not None:
+                state.finish_reason = status.value
+                state.metrics.finished_time = now
+            touched.add(parent)
+        if stopped:
+            self.engine_core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return touched
 
-    def _completion(self, index: int, request: Request) -> CompletionOutput:
+    def _completion(self, index: int, request: _ReqState) -> CompletionOutput:
         finished = request.is_finished
         text = ""
         if request.detokenizer is not None:
@@ -301,7 +316,7 @@ class LLMEngine:
             token_ids=list(request.output_token_ids),
             cumulative_logprob=request.cumulative_logprob,
             logprobs=request.logprobs,
-            finish_reason=request.status.value if finished else None,
+            finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
         )
 
@@ -322,8 +337,7 @@ class LLMEngine:
         )
 
     def step(self) -> list[RequestOutput]:
-        scheduled, output = self.engine_core.step()
-        touched = self._process(scheduled, output)
+        touched = self._process(self.engine_core.step())
         outputs = []
         for parent_id in sorted(touched, key=lambda p: self.parents[p].children[0]):
             out = self._make_output(parent_id)

@@ -56,6 +56,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hf-overrides", default=None, help="JSON object applied to the HF config")
     g.add_argument("--additional-config", default=None, help="JSON object of ingot options")
     g.add_argument("--served-model-name", default=None)
+    g.add_argument("--distributed-executor-backend", choices=["uni", "mp"], default=None,
+                   help="uni: the worker runs in the engine's process (default for one "
+                   "worker); mp: in a child process")
     c = parser.add_argument_group("compilation")
     c.add_argument("--enforce-eager", action="store_true",
                    help="never compile; run every step eagerly")
@@ -218,7 +221,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 def cmd_compile(ns: argparse.Namespace) -> int:
     """Compile every bucket of the grid into the cache, without serving."""
-    from ingot.worker.worker import Worker
+    from ingot.engine.core import EngineCore
 
     if ns.enforce_eager:
         raise ValueError("ingot compile compiles the bucket grid; --enforce-eager would skip "
@@ -230,9 +233,11 @@ def cmd_compile(ns: argparse.Namespace) -> int:
     ns.compile = True
     config = engine_args_from(ns).create_engine_config()
     config.compilation.hit_only = False  # filling the cache is the point, whatever the env says
-    worker = Worker(config)
-    assert worker.compiler is not None and worker.compiler.summary is not None
-    print(f"{worker.compiler.summary.line()}; cache {worker.compiler.cache.dir}")
+    core = EngineCore(config)
+    try:
+        print(core.collective_rpc("compile_summary")[0])
+    finally:
+        core.shutdown()
     return 0
 
 

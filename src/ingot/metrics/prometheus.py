@@ -168,22 +168,21 @@ class EngineMetrics:
         self.labels(self.compilation).set(compile_s)
 
     def record_gauges(self, engine: LLMEngine) -> None:
-        """Scheduler and KV cache gauges, read from the engine (on the engine thread)."""
-        sched = engine.scheduler
-        self.labels(self.running).set(sched.num_running)
-        self.labels(self.waiting).set(sched.num_waiting)
-        pool = engine.engine_core.kv_cache_manager.pool
-        self.labels(self.kv_usage).set(pool.usage())
-        self.labels(self.kv_blocks_free).set(pool.num_free_blocks)
-        stats = engine.engine_core.kv_cache_manager.stats
+        """Scheduler and KV cache gauges, from the engine's stats (on the engine thread)."""
+        self._record_gauges(engine.get_stats())
+
+    def _record_gauges(self, stats: dict[str, Any]) -> None:
+        self.labels(self.running).set(stats["num_running"])
+        self.labels(self.waiting).set(stats["num_waiting"])
+        self.labels(self.kv_usage).set(stats["kv_usage"])
+        self.labels(self.kv_blocks_free).set(stats["kv_blocks_free"])
         queries, hits = self._prefix_seen
-        if stats.queries > queries:
-            self.labels(self.prefix_queries).inc(stats.queries - queries)
-            self.labels(self.prefix_hits).inc(stats.hits - hits)
-            self._prefix_seen = (stats.queries, stats.hits)
-            self.labels(self.prefix_hit_rate).set(stats.hit_rate)
-        worker = engine.engine_core.executor.worker
-        compile_stats = worker.compile_stats() if hasattr(worker, "compile_stats") else {}
+        if stats["prefix_cache_queries"] > queries:
+            self.labels(self.prefix_queries).inc(stats["prefix_cache_queries"] - queries)
+            self.labels(self.prefix_hits).inc(stats["prefix_cache_hits"] - hits)
+            self._prefix_seen = (stats["prefix_cache_queries"], stats["prefix_cache_hits"])
+            self.labels(self.prefix_hit_rate).set(stats["prefix_cache_hit_rate"])
+        compile_stats = stats.get("compilation", {})
         compiled, hits = compile_stats.get("compilations", 0), compile_stats.get("cache_hits", 0)
         seen_compiled, seen_hits = self._compile_seen
         if compiled > seen_compiled:
@@ -223,8 +222,9 @@ class EngineMetrics:
 
     def record_step(self, engine: LLMEngine, outputs: list[RequestOutput], step_s: float) -> None:
         now = time.time()
-        self.record_gauges(engine)
-        self._record_buckets(engine.engine_core.executor.worker.model_runner.stats)
+        stats = engine.get_stats()
+        self._record_gauges(stats)
+        self._record_buckets(stats["buckets"])
         for out in outputs:
             seen = self._seen.setdefault(out.request_id, _Seen())
             metrics = out.metrics

@@ -21,7 +21,6 @@ from ingot.config import EngineConfig
 from ingot.core.kv_cache_manager import NULL_BLOCK_ID, cdiv
 from ingot.core.sched_output import SchedulerOutput
 from ingot.engine.sampling_params import SamplingParams
-from ingot.metrics.stats import BucketStats
 from ingot.model_executor.layers.attention import AttentionMetadata
 from ingot.model_executor.layers.sampler import (
     LogprobsTensors,
@@ -30,6 +29,12 @@ from ingot.model_executor.layers.sampler import (
     compute_prompt_logprobs,
 )
 from ingot.worker.cuda_graphs import CaptureFn, DecodeGraphs
+from ingot.worker.outputs import (
+    EMPTY_OUTPUT,
+    ModelRunnerOutput,
+    PromptLogprobsChunk,
+    SampledLogprobs,
+)
 
 logger = logging.getLogger("ingot")
 
@@ -42,33 +47,6 @@ class CachedRequestState:
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
-
-
-@dataclass
-class SampledLogprobs:
-    """Per sampled row: token ids (column 0 = sampled token), their logprobs, sampled rank."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    rank: int
-
-
-@dataclass
-class PromptLogprobsChunk:
-    """Logprobs of prompt tokens ``first_position+1 ...`` (the targets) for one prefill chunk."""
-
-    first_position: int
-    token_ids: list[list[int]]
-    logprobs: list[list[float]]
-    ranks: list[int]
-
-
-@dataclass
-class ModelRunnerOutput:
-    req_ids: list[str]  # requests that sampled a token this step, in order
-    sampled_token_ids: list[int]
-    logprobs: dict[str, SampledLogprobs] = field(default_factory=dict)
-    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
 
 
 def slot_mapping(
@@ -103,7 +81,6 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self.grid = config.buckets
-        self.stats = BucketStats.for_grid(self.grid)
         self.decode_graphs: DecodeGraphs | None = None
         #: Autograd-free mode of every forward. Precompiled layers switch it to no_grad: their
         #: saved guards expect ordinary tensors (torch restores them without inference mode).
@@ -149,11 +126,10 @@ class ModelRunner:
         return time.perf_counter() - start
 
     def forget_dummy_steps(self) -> None:
-        """After warmup or graph capture: the dummy steps wrote K/V into the null block and
-        counted in the bucket statistics; undo both."""
+        """After warmup or graph capture: the dummy steps wrote K/V into the null block; zero
+        it again (masked-out reads must see zeros)."""
         for kv_cache in self.kv_caches:
             kv_cache[:, NULL_BLOCK_ID].zero_()
-        self.stats = BucketStats.for_grid(self.grid)
 
     def _register(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
@@ -170,63 +146,67 @@ class ModelRunner:
     def prepare_inputs(
         self, so: SchedulerOutput
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Model inputs padded to the step's bucket, and the rows holding real last tokens.
+        """Model inputs padded to the step's bucket, and the rows holding each request's last
+        token of the step.
 
-        Prefill (one request): tokens pad to the chunk's bucket; padded tokens repeat the last
-        real position and get slot -1. Decode: the batch pads to its num_seqs bucket with dummy
-        rows (token 0, position 0, slot -1, a block-table row of null blocks). Padding never
-        allocates a block and never writes the cache.
+        Prefill: the requests' segments laid end to end, padded to ``so.num_padded`` tokens;
+        padded tokens repeat the last real position and get slot -1. One request attends with
+        its padding (the layout is then the identity and a first segment is plainly causal);
+        packed requests attend each to its own context, and padded rows attend to nothing.
+        Decode: the batch pads to ``so.num_padded`` rows with dummy rows (token 0, position 0,
+        slot -1, a block-table row of null blocks). Padding never allocates a block and never
+        writes the cache.
         """
         items = so.scheduled
         bs = self.block_size
         grid = self.grid
+        num_reqs = len(items)
+        lens = [it.num_tokens for it in items]
+        starts = [it.start_position for it in items]
         if so.is_prefill:
-            (it,) = items
-            n = len(it.token_ids)
-            n_pad = max(it.num_tokens_padded, n) if grid.enabled else n
-            start = it.start_position
-            real_pos = torch.arange(start, start + n, dtype=torch.int64)
-            positions = torch.cat([real_pos, real_pos[-1:].expand(n_pad - n)])
-            input_ids = torch.tensor(it.token_ids + [0] * (n_pad - n), dtype=torch.int64)
+            total = sum(lens)
+            n_pad = max(so.num_padded, total) if grid.enabled else total
+            real_pos = torch.cat([torch.arange(s, s + n, dtype=torch.int64)
+                                  for s, n in zip(starts, lens, strict=True)])
+            positions = torch.cat([real_pos, real_pos[-1:].expand(n_pad - total)])
+            ids = [t for it in items for t in it.token_ids]
+            input_ids = torch.tensor(ids + [0] * (n_pad - total), dtype=torch.int64)
+            rows = torch.repeat_interleave(torch.arange(num_reqs), torch.tensor(lens))
+            from_zero = all(s == 0 for s in starts)
             if not grid.enabled:
-                width = len(it.block_ids)
-            elif start == 0:
-                width = cdiv(n_pad, bs)  # a first segment attends only to itself
+                width = max(len(it.block_ids) for it in items)
+            elif from_zero:
+                # First segments attend only to themselves.
+                width = cdiv(n_pad if num_reqs == 1 else max(lens), bs)
             else:
-                width = cdiv(grid.decode_ctx_bucket(start + n), bs)
-            table = torch.full((1, width), NULL_BLOCK_ID, dtype=torch.int64)
-            table[0, : len(it.block_ids)] = torch.tensor(it.block_ids, dtype=torch.int64)
-            slots = torch.full((n_pad,), PAD_SLOT_ID, dtype=torch.int64)
-            slots[:n] = slot_mapping(table, torch.zeros_like(real_pos), real_pos, bs)
-            query_lens = [n_pad]
-            sample_rows = [n - 1]
-            self.stats.record_prefill(n_pad, n)
+                width = cdiv(grid.decode_ctx_bucket(max(s + n for s, n in zip(starts, lens, strict=True))), bs)
+            query_lens = [n_pad] if num_reqs == 1 else lens
+            ends = torch.cumsum(torch.tensor(lens), 0)
+            sample_rows = (ends - 1).tolist()
+            causal = num_reqs == 1 and from_zero and not self.config.compilation.enabled
         else:
-            num_reqs = len(items)
-            b_pad = grid.decode_bucket(num_reqs)
-            starts = [it.start_position for it in items]
+            b_pad = so.num_padded if grid.enabled else num_reqs
             positions = torch.zeros(b_pad, dtype=torch.int64)
-            positions[:num_reqs] = torch.tensor(starts, dtype=torch.int64)
+            real_pos = torch.tensor(starts, dtype=torch.int64)
+            positions[:num_reqs] = real_pos
             input_ids = torch.zeros(b_pad, dtype=torch.int64)
             input_ids[:num_reqs] = torch.tensor([it.token_ids[0] for it in items], dtype=torch.int64)
-            ctx_bucket = None
             if grid.enabled:
-                # Smallest context bucket covering the longest request after this token.
-                ctx_bucket = grid.decode_ctx_bucket(max(starts) + 1)
-                width = cdiv(ctx_bucket, bs)
+                assert so.ctx_bucket is not None
+                width = cdiv(so.ctx_bucket, bs)
             else:
                 width = max(len(it.block_ids) for it in items)
-            table = torch.full((b_pad, width), NULL_BLOCK_ID, dtype=torch.int64)
-            for row, it in enumerate(items):
-                ids = it.block_ids[:width]
-                table[row, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
-            real = positions[:num_reqs]
-            slots = torch.full((b_pad,), PAD_SLOT_ID, dtype=torch.int64)
-            slots[:num_reqs] = slot_mapping(table, torch.arange(num_reqs), real, bs)
+            rows = torch.arange(num_reqs)
             query_lens = [1] * b_pad
             sample_rows = list(range(num_reqs))
-            self.stats.record_decode(b_pad, num_reqs, ctx_bucket)
-
+            n_pad, total = b_pad, num_reqs
+            causal = False
+        table = torch.full((max(num_reqs, len(query_lens)), width), NULL_BLOCK_ID, dtype=torch.int64)
+        for row, it in enumerate(items):
+            blocks = it.block_ids[:width]
+            table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+        slots = torch.full((n_pad,), PAD_SLOT_ID, dtype=torch.int64)
+        slots[:total] = slot_mapping(table, rows, real_pos, bs)
         meta = AttentionMetadata.build(
             positions.to(self.device),
             query_lens,
@@ -234,9 +214,7 @@ class ModelRunner:
             table.to(self.device),
             block_size=bs,
             # Eager only: under compilation the flag would split a prefill bucket in two graphs.
-            causal=so.is_prefill
-            and so.scheduled[0].start_position == 0
-            and not self.config.compilation.enabled,
+            causal=causal,
         )
         return input_ids.to(self.device), positions.to(self.device), meta, sample_rows
 
@@ -247,7 +225,7 @@ class ModelRunner:
     def _execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._register(so)
         if so.is_empty:
-            return ModelRunnerOutput([], [])
+            return EMPTY_OUTPUT
         input_ids, positions, meta, last_rows = self.prepare_inputs(so)
         hidden = None
         if self.decode_graphs is not None and not so.is_prefill:
@@ -262,7 +240,7 @@ class ModelRunner:
         prompt_lp: list[tuple[str, int, int, int]] = []  # req, first row, n rows, first position
         for it, last_row in zip(so.scheduled, last_rows, strict=True):
             state = self.requests[it.req_id]
-            if it.is_prefill and state.params.prompt_logprobs is not None:
+            if so.is_prefill and state.params.prompt_logprobs is not None:
                 # targets exist for positions < prompt_len - 1
                 n = min(len(it.token_ids), len(state.prompt_token_ids) - 1 - it.start_position)
                 if n > 0:

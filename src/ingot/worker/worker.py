@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import sys
 import time
 from typing import Any
@@ -24,7 +25,8 @@ from ingot.worker.kv_budget import (
     min_budget_gib_from_env,
     num_blocks_for_budget,
 )
-from ingot.worker.model_runner import ModelRunner, ModelRunnerOutput
+from ingot.worker.model_runner import ModelRunner
+from ingot.worker.outputs import ModelRunnerOutput
 from ingot.worker.profiler import ProfilerConfig, StepProfiler
 
 logger = logging.getLogger("ingot")
@@ -159,8 +161,14 @@ def advise_huge_pages(buffer: torch.Tensor) -> bool:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig) -> None:
+    """Lifecycle, driven by an executor: ``determine_num_blocks`` (load the model, plan the KV
+    cache from the memory budget), then ``initialize_cache(num_blocks)`` with the count the
+    executor agreed on (the minimum over workers), which allocates the cache and compiles or
+    warms up every bucket; then ``execute_model`` per step."""
+
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
         self.config = config
+        self.rank = rank
         self.platform = resolve_platform(config.device)
         self.device = self.platform.device()
         torch.manual_seed(config.model_config.seed)
@@ -170,31 +178,42 @@ class Worker:
         self.load_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.profiler = StepProfiler(
             ProfilerConfig.from_dict(config.additional_config.get("profiler")),
-            rank=0,
+            rank=rank,
             device_type=self.device.type,
         )
+        self.kv_dtype = config.cache_config.torch_dtype(config.model_config.dtype)
+        self.num_blocks = 0
+        self.kv_caches: list[torch.Tensor] = []
+        self.model_runner: ModelRunner | None = None
+        self.compile_seconds = 0.0
+        self.compiler: Any = None
+        self.warmup_seconds = 0.0
 
-        dtype = config.cache_config.torch_dtype(config.model_config.dtype)
+    def determine_num_blocks(self) -> int:
         # Memory still free now, plus what the weights took: the total before loading.
         total = self.platform.available_memory_bytes(self.device) + self.load_bytes
-        num_blocks = plan_num_blocks(config, total, self.load_bytes, dtype)
-        config.cache_config.num_blocks = num_blocks
+        return plan_num_blocks(self.config, total, self.load_bytes, self.kv_dtype)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        config = self.config
+        self.num_blocks = num_blocks
         hf = config.model_config.hf_config
         num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
         shape = (2, num_blocks, config.cache_config.block_size, num_kv_heads, head_dim_of(hf))
-        self.kv_caches = [allocate_kv_cache(shape, dtype, self.device) for _ in range(hf.num_hidden_layers)]
+        self.kv_caches = [
+            allocate_kv_cache(shape, self.kv_dtype, self.device)
+            for _ in range(hf.num_hidden_layers)
+        ]
         logger.info(
             "KV cache: %d blocks x %d tokens (%.1f MB)",
             num_blocks,
             config.cache_config.block_size,
-            num_blocks * kv_bytes_per_block(config, dtype) / 2**20,
+            num_blocks * kv_bytes_per_block(config, self.kv_dtype) / 2**20,
         )
-        if dtype == torch.float8_e4m3fn:
+        if self.kv_dtype == torch.float8_e4m3fn:
             self._set_fp8_scales()
         self.model_runner = ModelRunner(config, self.model, self.kv_caches, self.device)
         # Compile every bucket before the engine reports ready (nothing compiles while serving).
-        self.compile_seconds = 0.0
-        self.compiler = None
         if config.compilation.enabled:
             from ingot.compilation.model_compiler import ModelCompiler
 
@@ -202,11 +221,21 @@ class Worker:
             self.compile_seconds = self.compiler.compile_and_warmup().seconds
         if config.compilation.cuda_graphs:
             self.model_runner.capture_decode_graphs()
-        self.warmup_seconds = 0.0
         if not config.compilation.enabled and self.device.type == "cpu":
             self.warmup_seconds = self.model_runner.warm_up_eager()
             logger.info("warmup: one dummy step per bucket's row count, %.1f s",
                         self.warmup_seconds)
+
+    def startup_stats(self) -> dict[str, Any]:
+        """Load, compile and warmup figures (plain numbers)."""
+        return {
+            "load_seconds": self.load_seconds,
+            "load_bytes": self.load_bytes,
+            "compile_seconds": self.compile_seconds,
+            "warmup_seconds": self.warmup_seconds,
+            "num_blocks": self.num_blocks,
+            "pid": os.getpid(),
+        }
 
     def compile_stats(self) -> dict[str, Any]:
         """Compilation counters (plain numbers; all zero when running eagerly)."""
@@ -227,6 +256,11 @@ class Worker:
             "compile_seconds_per_bucket": dict(s.compile_seconds),
         }
 
+    def compile_summary(self) -> str:
+        """One line: graphs, hits, misses, seconds and the cache directory."""
+        assert self.compiler is not None and self.compiler.summary is not None
+        return f"{self.compiler.summary.line()}; cache {self.compiler.cache.dir}"
+
     def _set_fp8_scales(self) -> None:
         """Per-layer FP8 scales: from the checkpoint, else calibrated once now, else 1.0."""
         if getattr(self.model, "kv_scales_from_checkpoint", False):
@@ -238,6 +272,7 @@ class Worker:
         calibrate_kv_scales(self.model, self.config, self.device)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        assert self.model_runner is not None, "initialize_cache() first"
         output = self.model_runner.execute_model(scheduler_output)
         if not scheduler_output.is_empty:
             self.profiler.step()

@@ -428,14 +428,14 @@ def build_engine(args: EngineArgs) -> tuple[AsyncLLM, EngineMetrics, float]:
         metrics.record_abort(eng, request_id, num_seqs)
 
     llm_engine = LLMEngine(config)
-    worker = llm_engine.engine_core.executor.worker
-    metrics.init_buckets(worker.model_runner.stats)
+    metrics.init_buckets(llm_engine.get_stats()["buckets"])
     metrics.record_gauges(llm_engine)  # idle values (all blocks free) before any traffic
     engine = AsyncLLM(llm_engine, on_step=metrics.record_step, on_abort=on_abort)
     elapsed = time.perf_counter() - start
-    # compile_seconds: set by workers that compile graphs; the eager worker compiles nothing.
-    compile_s = float(getattr(worker, "compile_seconds", 0.0) or 0.0)
-    metrics.record_startup(elapsed, worker.load_seconds, worker.load_bytes, compile_s)
+    startup = llm_engine.startup_stats()
+    metrics.record_startup(
+        elapsed, startup["load_seconds"], startup["load_bytes"], startup["compile_seconds"]
+    )
     return engine, metrics, elapsed
 
 

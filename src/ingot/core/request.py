@@ -1,12 +1,15 @@
-"""Engine-side request state."""
+"""A request as the engine core owns it: its tokens, how many are computed, its status.
+
+The core appends sampled tokens and decides EOS / stop-token / length stops
+(``Scheduler.update_from_output``); the front end keeps only what users see (text, logprob
+dicts, timings) and tells the core when a stop string ends a request.
+"""
 
 from __future__ import annotations
 
 import enum
 import time
 
-from ingot.engine.detokenizer import IncrementalDetokenizer
-from ingot.engine.outputs import Logprob, PromptLogprobs, RequestMetrics, SampleLogprobs
 from ingot.engine.sampling_params import SamplingParams
 
 
@@ -28,30 +31,18 @@ class Request:
         request_id: str,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
-        eos_token_id: int | None,
-        prompt: str | None = None,
         arrival_time: float | None = None,
-        detokenizer: IncrementalDetokenizer | None = None,
     ) -> None:
         self.request_id = request_id
-        self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
-        self.eos_token_id = eos_token_id
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
-        self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
-        self.detokenizer = detokenizer
-        self.logprobs: SampleLogprobs | None = [] if sampling_params.logprobs is not None else None
-        self.cumulative_logprob: float | None = (
-            0.0 if sampling_params.logprobs is not None else None
-        )
-        self.prompt_logprobs: PromptLogprobs | None = (
-            [None] if sampling_params.prompt_logprobs is not None else None
-        )
+        self.arrival_time = arrival_time or time.time()
+        self.first_scheduled_time: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -77,8 +68,3 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
-
-    def append_logprobs(self, entries: dict[int, Logprob], sampled_logprob: float) -> None:
-        assert self.logprobs is not None and self.cumulative_logprob is not None
-        self.logprobs.append(entries)
-        self.cumulative_logprob += sampled_logprob

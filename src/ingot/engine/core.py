@@ -1,0 +1,116 @@
+"""EngineCore: the scheduler, the KV cache manager and the executor; owns every request's
+tokens and state. ``step()`` schedules, executes and applies the results, returning one
+``EngineCoreOutput`` per request that ran. The front end (``LLMEngine``) only tokenizes,
+detokenizes, checks stop strings and builds user-facing outputs."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from ingot.config import EngineConfig
+from ingot.core.kv_cache_manager import KVCacheManager
+from ingot.core.outputs import EngineCoreOutput
+from ingot.core.request import Request, RequestStatus
+from ingot.core.scheduler import Scheduler
+from ingot.worker.executor import Executor, RpcMethod
+
+logger = logging.getLogger("ingot")
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.executor = Executor.get_class(config)(config)
+        try:
+            self.num_blocks = self.executor.initialize()
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.kv_cache_manager = KVCacheManager(
+            self.num_blocks,
+            config.cache_config.block_size,
+            config.model_config.max_model_len,
+            enable_prefix_caching=config.cache_config.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, config.buckets)
+        logger.info(
+            "bucket grid: %s; at most %d requests at once (KV bound); up to %d prompts per "
+            "prefill step",
+            config.buckets.describe(),
+            min(self.scheduler.max_kv_concurrent, config.scheduler_config.max_num_seqs),
+            config.scheduler_config.max_num_prefills_per_step,
+        )
+        #: Forward steps run (not counting empty schedules).
+        self.num_steps = 0
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def finish_requests(self, request_ids: Sequence[str], status: RequestStatus) -> None:
+        """Abort (or, for a stop string the front end found, stop) requests; frees blocks."""
+        for rid in request_ids:
+            self.scheduler.finish_request(rid, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the step --------------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        so = self.scheduler.schedule()
+        if so.is_empty:
+            if so.finished_req_ids:  # let the workers drop per-request state now
+                self.executor.execute_model(so)
+            return []
+        output = self.executor.execute_model(so)
+        self.num_steps += 1
+        return self.scheduler.update_from_output(so, output)
+
+    # ---- workers, stats ------------------------------------------------------------------
+    def collective_rpc(
+        self, method: RpcMethod, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        return self.executor.collective_rpc(method, args, kwargs)
+
+    @property
+    def workers_are_local(self) -> bool:
+        return self.executor.is_local
+
+    def check_health(self) -> None:
+        self.executor.check_health()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def request_blocks(self, request_id: str) -> list[int]:
+        """The block ids a running request holds (the accuracy toolkit reads its cache)."""
+        return list(self.kv_cache_manager.req_blocks[request_id])
+
+    def get_stats(self) -> dict[str, Any]:
+        """Scheduler and KV cache state, per-bucket padding counters and the workers'
+        compilation counters (plain numbers)."""
+        scheduler = self.scheduler
+        kv = self.kv_cache_manager
+        pool = kv.pool
+        return {
+            "scheduler_state": scheduler.state.value,
+            "num_running": scheduler.num_running,
+            "num_waiting": scheduler.num_waiting,
+            "max_kv_concurrent": scheduler.max_kv_concurrent,
+            "total_padding_tokens": scheduler.total_padding_tokens,
+            "kv_blocks_total": pool.num_usable_blocks,
+            "kv_blocks_free": pool.num_free_blocks,
+            "kv_blocks_used": pool.num_usable_blocks - pool.num_free_blocks,
+            "kv_usage": pool.usage(),
+            "prefix_cache_queries": kv.stats.queries,
+            "prefix_cache_hits": kv.stats.hits,
+            "prefix_cache_hit_rate": kv.stats.hit_rate,
+            "num_steps": self.num_steps,
+            "buckets": scheduler.bucket_stats,
+            "compilation": self.collective_rpc("compile_stats")[0],
+        }
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

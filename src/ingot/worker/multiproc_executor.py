@@ -1,0 +1,183 @@
+"""Workers in child processes (``--distributed-executor-backend mp``).
+
+Each rank is a spawned process holding one Worker. Calls travel over pyzmq: the parent
+sends the pickled call once per rank (one PUSH socket each) and collects one reply per rank on
+a shared PULL socket; only rank 0's ``execute_model`` result is kept. A worker that raises
+replies with the error, which the parent re-raises (the engine then fails the in-flight
+requests); a worker process that dies is noticed within ``_POLL_S`` while waiting, and by
+``check_health`` between steps. Children watch their parent and exit if it disappears.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import pickle
+import shutil
+import tempfile
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+
+from ingot.config import EngineConfig
+from ingot.errors import IngotError
+from ingot.worker.executor import Executor, RpcMethod, run_on_worker
+
+logger = logging.getLogger("ingot")
+
+_POLL_S = 0.1
+_SHUTDOWN = "__shutdown__"
+#: Seconds a rank may take to start (import, load the model) before it is reported missing.
+STARTUP_TIMEOUT_S = float(os.environ.get("INGOT_WORKER_STARTUP_TIMEOUT_S", "600"))
+
+
+class WorkerProcessError(IngotError, RuntimeError):
+    """A worker process failed or exited; the engine must be restarted."""
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(1)  # orphaned: the engine is gone, nobody will ever call us again
+        time.sleep(1.0)
+
+
+def _worker_main(
+    config: EngineConfig, rank: int, in_addr: str, out_addr: str, parent_pid: int, log_level: int
+) -> None:
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [rank {rank}] %(message)s")
+    logging.getLogger("ingot").setLevel(log_level)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(in_addr)
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.connect(out_addr)
+
+    def reply(status: str, value: Any) -> None:
+        try:
+            outbox.send(pickle.dumps((rank, status, value), protocol=pickle.HIGHEST_PROTOCOL))
+        except Exception as exc:  # noqa: BLE001 - an unpicklable result must still answer
+            outbox.send(pickle.dumps((rank, "error", f"result not picklable: {exc!r}")))
+
+    try:
+        from ingot.worker.worker import Worker
+
+        worker = Worker(config, rank=rank)
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
+        reply("error", traceback.format_exc())
+        return
+    reply("ok", None)
+    while True:
+        method, args, kwargs = pickle.loads(inbox.recv())
+        if method == _SHUTDOWN:
+            reply("ok", None)
+            break
+        try:
+            result = run_on_worker(worker, method, args, kwargs)
+        except BaseException:  # noqa: BLE001
+            reply("error", traceback.format_exc())
+            continue
+        # Only rank 0's step output is used; the others need not ship theirs.
+        reply("ok", None if (method == "execute_model" and rank != 0) else result)
+
+
+def _cleanup(procs: list[Any], ctx: zmq.Context, tmpdir: str) -> None:
+    for proc in procs:
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(timeout=5)
+    ctx.destroy(linger=0)
+    shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.world_size = config.parallel_config.world_size
+        self._tmpdir = tempfile.mkdtemp(prefix="ingot-mp-")
+        self._ctx = zmq.Context()
+        self._results = self._ctx.socket(zmq.PULL)
+        out_addr = f"ipc://{self._tmpdir}/out"
+        self._results.bind(out_addr)
+        self._inboxes = []
+        self._procs = []
+        self._dead: str | None = None
+        spawn = multiprocessing.get_context("spawn")
+        level = logging.getLogger("ingot").getEffectiveLevel()
+        for rank in range(self.world_size):
+            sock = self._ctx.socket(zmq.PUSH)
+            in_addr = f"ipc://{self._tmpdir}/in{rank}"
+            sock.bind(in_addr)
+            self._inboxes.append(sock)
+            proc = spawn.Process(
+                target=_worker_main,
+                args=(config, rank, in_addr, out_addr, os.getpid(), level),
+                name=f"ingot-worker-{rank}",
+            )
+            proc.start()
+            self._procs.append(proc)
+        self._finalizer = weakref.finalize(
+            self, _cleanup, self._procs, self._ctx, self._tmpdir
+        )
+        self._gather(timeout=STARTUP_TIMEOUT_S, what="start")
+        logger.info("multiprocess executor: %d worker process(es) started", self.world_size)
+
+    def _gather(self, timeout: float | None = None, what: str = "call") -> list[Any]:
+        replies: dict[int, Any] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while len(replies) < self.world_size:
+            if self._results.poll(int(_POLL_S * 1000)):
+                rank, status, value = pickle.loads(self._results.recv())
+                if status == "error":
+                    self._dead = f"worker rank {rank} failed: {value}"
+                    raise WorkerProcessError(f"worker rank {rank} failed during {what}:\n{value}")
+                replies[rank] = value
+                continue
+            self.check_health()
+            if deadline is not None and time.monotonic() > deadline:
+                missing = sorted(set(range(self.world_size)) - set(replies))
+                self._dead = f"ranks {missing} did not answer"
+                raise WorkerProcessError(
+                    f"worker rank(s) {missing} did not {what} within {timeout:.0f} s"
+                )
+        return [replies[r] for r in range(self.world_size)]
+
+    def collective_rpc(
+        self, method: RpcMethod, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        if self._dead is not None:
+            raise WorkerProcessError(f"the workers are down ({self._dead}); restart the engine")
+        message = pickle.dumps((method, tuple(args), kwargs or {}), protocol=pickle.HIGHEST_PROTOCOL)
+        for sock in self._inboxes:
+            sock.send(message)
+        name = method if isinstance(method, str) else getattr(method, "__name__", "rpc")
+        return self._gather(what=name)
+
+    def check_health(self) -> None:
+        for rank, proc in enumerate(self._procs):
+            if not proc.is_alive():
+                self._dead = f"rank {rank} exited with code {proc.exitcode}"
+                raise WorkerProcessError(
+                    f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+                )
+
+    def shutdown(self) -> None:
+        if not self._finalizer.alive:
+            return
+        if self._dead is None:
+            try:
+                message = pickle.dumps((_SHUTDOWN, (), {}))
+                for sock in self._inboxes:
+                    sock.send(message, zmq.NOBLOCK)
+                self._gather(timeout=10, what="shut down")
+            except (WorkerProcessError, zmq.ZMQError):
+                pass
+        self._finalizer()

@@ -1,0 +1,36 @@
+"""What a worker returns for one step (plain, picklable data: it crosses process boundaries
+under the multiprocess executor)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SampledLogprobs:
+    """Per sampled row: token ids (column 0 = sampled token), their logprobs, sampled rank."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
+
+
+@dataclass
+class PromptLogprobsChunk:
+    """Logprobs of prompt tokens ``first_position+1 ...`` (the targets) for one prefill chunk."""
+
+    first_position: int
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]  # requests that sampled a token this step, in order
+    sampled_token_ids: list[int]
+    logprobs: dict[str, SampledLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+
+
+EMPTY_OUTPUT = ModelRunnerOutput([], [])
