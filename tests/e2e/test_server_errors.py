@@ -7,10 +7,13 @@ from __future__ import annotations
 import http.client
 import itertools
 import json
+import os
+import signal
+from pathlib import Path
 
 import openai
 import pytest
-from server_utils import TINY_FLAGS, run_server
+from server_utils import TINY_FLAGS, run_server, wait_until
 
 KEY = "sekrit-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -20,10 +23,12 @@ CMPL = "/v1/completions"
 MSGS = [{"role": "user", "content": "hi"}]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_llama_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=["uni", "mp"])
+def server(tiny_llama_dir, tmp_path_factory, request):
+    """Every error path, with the worker in the server's process and in a child process."""
     args = [str(tiny_llama_dir), *TINY_FLAGS, "--api-key", KEY,
-            "--max-request-body-bytes", str(LIMIT), "--served-model-name", "tiny"]
+            "--max-request-body-bytes", str(LIMIT), "--served-model-name", "tiny",
+            "--distributed-executor-backend", request.param]
     with run_server(args, tmp_path_factory.mktemp("logs")) as s:
         yield s
 
@@ -191,3 +196,26 @@ def test_server_survives_200_bad_requests(server):
     assert server.request("GET", "/health")[0] == 200
     assert server.proc.poll() is None
     assert "Traceback" not in server.log()
+
+
+def _worker_children(pid: int) -> list[int]:
+    """Spawned worker processes under ``pid`` (multiprocessing's spawn_main children)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+            if b"spawn_main" in cmdline:
+                found.append(int(child))
+    return found
+
+
+def test_a_killed_worker_process_turns_health_503_and_fails_requests(tiny_llama_dir, tmp_path):
+    args = [str(tiny_llama_dir), *TINY_FLAGS, "--distributed-executor-backend", "mp"]
+    with run_server(args, tmp_path) as s:
+        model = s.json("GET", "/v1/models")[1]["data"][0]["id"]
+        (worker,) = _worker_children(s.proc.pid)
+        os.kill(worker, signal.SIGKILL)
+        assert wait_until(lambda: s.request("GET", "/health")[0] == 503, timeout=30)
+        status, body = s.json("POST", "/v1/completions",
+                              {"model": model, "prompt": "hi", "max_tokens": 2})
+        assert status == 503 and "restart" in body["error"]["message"]
