@@ -212,8 +212,20 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         args,
         ns.host,
         ns.port,
-        {"api_key": api_key, "max_body_bytes": ns.max_request_body_bytes},
+        {"api_key": api_key, "max_body_bytes": ns.max_request_body_bytes,
+         **_server_log_settings(ns, api_key)},
+        metrics_name_prefix=ns.metrics_name_prefix,
     )
+
+
+def _server_log_settings(ns: argparse.Namespace, api_key: str | None) -> dict[str, Any]:
+    if ns.api_key_protect_metrics and not api_key:
+        raise ValueError("--api-key-protect-metrics needs an API key (--api-key or INGOT_API_KEY)")
+    if ns.enable_log_requests and ns.disable_log_requests:
+        raise ValueError("--enable-log-requests and --disable-log-requests contradict; drop one")
+    return {"api_key_protect_metrics": ns.api_key_protect_metrics,
+            "access_log": not ns.disable_uvicorn_access_log,
+            "log_requests": ns.enable_log_requests}
 
 
 def cmd_compile(ns: argparse.Namespace) -> int:
@@ -265,10 +277,23 @@ def build_parser() -> argparse.ArgumentParser:
                      help="address to listen on (default: %(default)s; 0.0.0.0 for all)")
     srv.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
     srv.add_argument("--api-key", default=None,
-                     help="require this key as 'Authorization: Bearer KEY' on /v1 routes "
+                     help="require this key as 'Authorization: Bearer KEY' on every route but "
+                     "/health, /version and /metrics "
                      "(default: $INGOT_API_KEY if set, else no key)")
     srv.add_argument("--max-request-body-bytes", type=int, default=8 * 2**20,
                      help="larger request bodies get 413 (default: %(default)s)")
+    # Server logging, metrics naming and key scope (docs/serving.md); vLLM's flag names.
+    srv.add_argument("--api-key-protect-metrics", action="store_true",
+                     help="also require the API key on /metrics")
+    srv.add_argument("--metrics-name-prefix", default="ingot", choices=["ingot", "vllm"],
+                     help="vllm: expose metrics that have a vLLM counterpart under vLLM's names "
+                     "(vllm:...) for vLLM dashboards (default: %(default)s)")
+    srv.add_argument("--enable-log-requests", action="store_true",
+                     help="log each generation request's prompt length and sampling parameters")
+    srv.add_argument("--disable-log-requests", action="store_true",
+                     help="do not log requests' parameters (the default; vLLM's older flag)")
+    srv.add_argument("--disable-uvicorn-access-log", action="store_true",
+                     help="no access-log line per HTTP request")
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 
