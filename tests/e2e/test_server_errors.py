@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import itertools
 import json
+import shutil
 
 import openai
 import pytest
@@ -21,9 +22,22 @@ MSGS = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_dir, tmp_path_factory):
+def model_dir(tiny_llama_dir, tmp_path_factory):
+    """The tiny model with a tokenizer that declares model_max_length 128 (as real tokenizers
+    do), so that transformers has a reason to warn about long prompts."""
+    path = tmp_path_factory.mktemp("model") / "tiny"
+    shutil.copytree(tiny_llama_dir, path)
+    config_path = path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["model_max_length"] = 128
+    config_path.write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
     traces = tmp_path_factory.mktemp("traces")
-    args = [str(tiny_llama_dir), *TINY_FLAGS, "--api-key", KEY,
+    args = [str(model_dir), *TINY_FLAGS, "--api-key", KEY,
             "--max-request-body-bytes", str(LIMIT), "--served-model-name", "tiny",
             "--additional-config", json.dumps({"profiler": {"output_dir": str(traces)}})]
     with run_server(args, tmp_path_factory.mktemp("logs")) as s:
@@ -236,3 +250,12 @@ def test_server_survives_200_bad_requests(server):
     assert server.request("GET", "/health")[0] == 200
     assert server.proc.poll() is None
     assert "Traceback" not in server.log()
+
+
+def test_long_prompt_gets_ingot_error_without_tokenizer_warning(server):
+    # 300 tokens: past the tokenizer's model_max_length (128) and max_model_len (256).
+    code, _, raw = server.request("POST", CMPL, {"prompt": "x" * 300}, headers=AUTH)
+    assert_error(code, raw, 400, "maximum context length is 256")
+    code, _, _ = server.request("POST", "/tokenize", {"prompt": "y" * 300}, headers=AUTH)
+    assert code == 200
+    assert "Token indices sequence length" not in server.log()
