@@ -68,6 +68,77 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="compile cache root (default: $INGOT_CACHE_ROOT, else ~/.cache/ingot)")
 
 
+# ---- one-shot sizing ---------------------------------------------------------------------
+# `generate`, `chat`, `validate` and single-request `bench` runs know their workload: one
+# prompt (times --n) at a time. The engine's defaults are sized for a server (256 sequences:
+# a KV cache of several GB, a warmup step per decode batch bucket up to 256 and per prefill
+# bucket up to 2048), which made `ingot generate` spend most of a minute before its first
+# token. These commands set the existing knobs to what they will run instead; a flag the user
+# typed always wins. `serve` keeps the full grid and its warmup.
+ONE_SHOT_MIN_TOKENS = 128  # the smallest prefill bucket (core/buckets.py)
+ONE_SHOT_MAX_TOKENS = 2048  # the engine's default token budget: never raised above it
+CHAT_TOKEN_BUDGET = 256  # interactive turns: prefix caching leaves only the new turn to prefill
+# Room for a chat template's framing and special tokens around the messages.
+TEMPLATE_SLACK_TOKENS = 64
+
+
+def given_flags(argv: Sequence[str] | None) -> set[str]:
+    """The option dests the command line set explicitly (not parser or subcommand defaults),
+    found by parsing it again with every default suppressed."""
+    parser = build_parser()
+
+    def suppress(p: argparse.ArgumentParser) -> None:
+        p._defaults.clear()  # set_defaults(...), e.g. bench's peer settings
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    suppress(sub)
+            elif action.dest != "help":
+                action.default = argparse.SUPPRESS
+
+    suppress(parser)
+    return set(vars(parser.parse_args(argv)))
+
+
+def prefill_budget_for(num_tokens: int) -> int:
+    """The smallest power-of-two token budget (>= 128) that prefills ``num_tokens`` at once."""
+    budget = ONE_SHOT_MIN_TOKENS
+    while budget < min(num_tokens, ONE_SHOT_MAX_TOKENS):
+        budget *= 2
+    return budget
+
+
+def size_one_shot(ns: argparse.Namespace, num_seqs: int, prompt_tokens: int | None) -> None:
+    """Set max_num_seqs to the sequences the command runs at once and the token budget (hence
+    the prefill buckets) to the longest prompt it expects, unless the user gave them. The KV
+    cache follows: the worker never allocates more than max_num_seqs full-length sequences."""
+    given: set[str] = getattr(ns, "given_flags", set())
+    chosen = []
+    if "max_num_seqs" not in given:
+        ns.max_num_seqs = num_seqs
+        chosen.append(f"max_num_seqs={num_seqs}")
+    try:
+        extra = EngineArgs._json_arg("additional_config", ns.additional_config)
+    except ValueError:
+        extra = {}  # reported by the engine config with its own message
+    if (prompt_tokens is not None and "max_num_batched_tokens" not in given
+            and ns.enable_chunked_prefill  # without chunking the budget must cover max_model_len
+            and "num_batched_tokens_buckets" not in extra):
+        ns.max_num_batched_tokens = max(prefill_budget_for(prompt_tokens), ns.max_num_seqs)
+        chosen.append(f"max_num_batched_tokens={ns.max_num_batched_tokens}")
+    if chosen:
+        logger.info("sized for this command: %s (flags given on the command line win)",
+                    ", ".join(chosen))
+
+
+def prompt_token_bound(*texts: str | None, templated: bool = False) -> int:
+    """An upper bound on the prompt's tokens before the tokenizer is loaded: byte-level BPE
+    tokenizers give at most one token per UTF-8 byte (a longer prompt is still correct, its
+    prefill is only split into chunks)."""
+    n = sum(len(t.encode("utf-8")) for t in texts if t) + 8
+    return n + TEMPLATE_SLACK_TOKENS if templated else n
+
+
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     names = EngineArgs.field_names()
     return EngineArgs(**{k: v for k, v in vars(ns).items() if k in names})
@@ -112,6 +183,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     from ingot.entrypoints.llm import LLM
 
     params = sampling_params_from(ns)  # validate before loading the model
+    size_one_shot(ns, ns.n, prompt_token_bound(ns.prompt, ns.system, templated=ns.chat))
     llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
     if ns.chat:
         messages: list[dict[str, Any]] = []
@@ -130,6 +202,7 @@ def cmd_chat(ns: argparse.Namespace) -> int:
     from ingot.entrypoints.llm import LLM
 
     params = sampling_params_from(ns)
+    size_one_shot(ns, ns.n, CHAT_TOKEN_BUDGET)
     llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
     messages: list[dict[str, Any]] = []
     if ns.system:
@@ -249,7 +322,7 @@ def cmd_compile(ns: argparse.Namespace) -> int:
 
 
 def cmd_bench(ns: argparse.Namespace) -> int:
-    from ingot.benchmarks.workloads import parse_batch_sizes, run_workloads
+    from ingot.benchmarks.workloads import WORKLOADS, parse_batch_sizes, run_workloads
 
     if ns.workload == "serve":  # a client of a running server: no engine in this process
         from ingot.benchmarks.serve import run_serve_bench
@@ -258,6 +331,10 @@ def cmd_bench(ns: argparse.Namespace) -> int:
                         ns.output_len, ns.model, ns.engine_label, vocab_size=ns.vocab_size)
         return 0
     names = ns.workload.split(",") if ns.workload != "all" else ["offline", "single", "prefill"]
+    if names and all(WORKLOADS.get(n, (2,))[0] == 1 for n in names):
+        # One request at a time: the grid of a 64-sequence run would only add warmup. The same
+        # buckets run (a prompt fits the budget whole, as with the default 2048).
+        size_one_shot(ns, 1, max(WORKLOADS[n][1] for n in names))
     run_workloads(engine_args_from(ns), names, progress=not ns.no_progress,
                   batch_sizes=parse_batch_sizes(ns.batch_sizes),
                   sweep_output_len=ns.sweep_output_len)
@@ -364,6 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
+    ns.given_flags = given_flags(argv)
     logging.basicConfig(
         level=ns.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s"
     )
@@ -372,6 +450,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (IngotError, ValueError, FileNotFoundError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C before the server's own handler is installed (while the model loads) or in a
+        # one-shot command: stop quietly with the shell's convention for SIGINT, no traceback.
+        return 130
 
 
 if __name__ == "__main__":
