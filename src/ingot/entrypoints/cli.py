@@ -328,7 +328,8 @@ def cmd_bench(ns: argparse.Namespace) -> int:
         from ingot.benchmarks.serve import run_serve_bench
 
         run_serve_bench(ns.base_url, ns.concurrency, ns.num_requests, ns.input_len,
-                        ns.output_len, ns.model, ns.engine_label, vocab_size=ns.vocab_size)
+                        ns.output_len, ns.model, ns.engine_label, vocab_size=ns.vocab_size,
+                        endpoint=ns.endpoint)
         return 0
     names = ns.workload.split(",") if ns.workload != "all" else ["offline", "single", "prefill"]
     if names and all(WORKLOADS.get(n, (2,))[0] == 1 for n in names):
@@ -413,6 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="engine= field of the RESULT line (default: %(default)s)")
     sv.add_argument("--vocab-size", type=int, default=None,
                     help="take prompt ids modulo this (for vocabularies under 40000)")
+    sv.add_argument("--endpoint", default="completions", choices=["completions", "chat"],
+                    help="the route to load; chat prompts are written as words "
+                    "(default: %(default)s)")
     add_engine_args(bench)
     # The peer script's settings, so both engines do identical work.
     bench.set_defaults(func=cmd_bench, dtype="bfloat16", max_model_len=2048, max_num_seqs=64,
