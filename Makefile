@@ -30,7 +30,9 @@ run: install
 	@echo "ingot: serving the default model on http://$(HOST):$(PORT) (Ctrl-C stops it). Try:"
 	@echo "  curl http://$(HOST):$(PORT)/v1/chat/completions -H 'Content-Type: application/json' \\"
 	@echo "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], \"temperature\": 0}'"
-	$(VENV)/bin/ingot serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+	@# Ctrl-C is how this target ends: the shell's trap turns the interrupt (while the model
+	@# loads or while serving) into success, so make prints no "Error"/"Interrupt" line.
+	@trap 'exit 0' INT; $(VENV)/bin/ingot serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 test: install
 	$(VENV)/bin/ruff check .

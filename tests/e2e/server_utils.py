@@ -81,17 +81,20 @@ def metric(samples: dict, name: str, **labels: str) -> float:
 
 @contextmanager
 def run_server(
-    args: list[str], log_dir: Path, startup_timeout: float = 60
+    args: list[str], log_dir: Path, startup_timeout: float = 60, log_level: str = "warning",
+    launcher: list[str] | None = None, env: dict[str, str] | None = None,
 ) -> Iterator[Server]:
     """`ingot serve ARGS` on a free loopback port, ready (polled on /health) when yielded;
-    stopped with SIGINT (as Ctrl-C would) afterwards."""
+    stopped with SIGINT (as Ctrl-C would) afterwards. ``launcher``: the command that stands for
+    `ingot` (default ``python -m ingot.entrypoints.cli``), e.g. a script that patches the engine
+    first."""
     port = free_port()
     log_path = log_dir / f"server-{port}.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "ingot.entrypoints.cli", "--log-level", "warning", "serve",
-             *args, "--host", "127.0.0.1", "--port", str(port)],
-            stdout=log, stderr=subprocess.STDOUT,
+            [*(launcher or [sys.executable, "-m", "ingot.entrypoints.cli"]),
+             "--log-level", log_level, "serve", *args, "--host", "127.0.0.1", "--port", str(port)],
+            stdout=log, stderr=subprocess.STDOUT, env=env,
         )
     server = Server(proc, port, log_path)
     try:

@@ -9,9 +9,10 @@ import sys
 import pytest
 
 
-def ingot(*args: str, timeout: int = 180, stdin: str | None = None) -> subprocess.CompletedProcess:
+def ingot(*args: str, timeout: int = 180, stdin: str | None = None,
+          log_level: str = "warning") -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "ingot.entrypoints.cli", "--log-level", "warning", *args],
+        [sys.executable, "-m", "ingot.entrypoints.cli", "--log-level", log_level, *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -108,3 +109,55 @@ def test_convert_writes_a_directory_transformers_loads(tmp_path, default_gguf_pa
     assert proc.returncode == 0, proc.stderr
     assert AutoConfig.from_pretrained(out).architectures == ["LlamaForCausalLM"]
     assert AutoTokenizer.from_pretrained(out).encode("Paris") != []
+
+
+def test_generate_is_sized_to_one_prompt_and_shows_progress(tiny_llama_dir):
+    """stderr is a pipe here, not a terminal: progress comes as log lines, not tqdm bars."""
+    proc = ingot("generate", "hello", "--model", str(tiny_llama_dir), "--max-tokens", "4",
+                 "--dtype", "float32", log_level="info")
+    assert proc.returncode == 0, proc.stderr
+    err = proc.stderr
+    assert "sized for this command: max_num_seqs=1, max_num_batched_tokens=128" in err
+    assert "prefill token buckets [128], decode batch buckets [1]," in err
+    for fragment in ("loading weights: started", "loading weights: done, ",
+                     "warmup: started", "warmup: done, "):
+        assert fragment in err, err
+    assert "\r" not in err  # no bar redrawn on a pipe
+
+
+def test_one_shot_sizing_yields_to_the_given_flags(tiny_llama_dir):
+    proc = ingot("generate", "hello", "--model", str(tiny_llama_dir), "--max-tokens", "2",
+                 "--dtype", "float32", "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
+                 log_level="info")
+    assert proc.returncode == 0, proc.stderr
+    assert "sized for this command" not in proc.stderr
+    assert "prefill token buckets [128, 256], decode batch buckets [1, 2, 4]," in proc.stderr
+    # --n 2 runs two sequences at once; the budget follows the prompt's length.
+    proc = ingot("generate", "y" * 300, "--model", str(tiny_llama_dir), "--max-tokens", "2",
+                 "--dtype", "float32", "--n", "2", "--temperature", "1", log_level="info")
+    assert proc.returncode == 0, proc.stderr
+    assert "max_num_seqs=2, max_num_batched_tokens=512" in proc.stderr
+    assert "decode batch buckets [1, 2]," in proc.stderr
+
+
+def test_given_flags_and_prefill_budget():
+    from ingot.entrypoints.cli import given_flags, prefill_budget_for
+
+    flags = given_flags(["generate", "hi", "--max-num-seqs", "3", "--chat"])
+    assert {"max_num_seqs", "chat", "prompt"} <= flags
+    assert not {"max_model_len", "max_num_batched_tokens", "temperature"} & flags
+    # bench's set_defaults (the peer's settings) are defaults, not the user's flags.
+    assert "max_num_seqs" not in given_flags(["bench", "single"])
+    assert [prefill_budget_for(n) for n in (1, 128, 129, 700, 5000)] == [128, 128, 256, 1024, 2048]
+
+
+@pytest.mark.slow
+def test_bench_single_is_sized_and_shows_progress():
+    """The default model (the shared workloads' token ids need its vocabulary)."""
+    proc = ingot("bench", "single", "--no-progress", log_level="info", timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    err = proc.stderr
+    assert "sized for this command: max_num_seqs=1, max_num_batched_tokens=128" in err
+    assert "loading weights: done, " in err and "warmup: done, " in err
+    assert "bench 1/1: single, 1 request(s) of 128 prompt -> 128 new tokens" in err
+    assert "RESULT workload=single engine=ingot requests=1" in proc.stdout

@@ -50,3 +50,15 @@ def test_unreachable_server_is_a_clear_error(capsys):
     rc = main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--num-requests", "1"])
     assert rc == 2
     assert "warmup request to http://127.0.0.1:9 failed" in capsys.readouterr().err
+
+
+def test_serve_bench_chat_endpoint(server):
+    line = run_serve_bench(server.base, concurrency=2, num_requests=4, input_len=8,
+                           output_len=6, endpoint="chat")
+    f = _fields(line)
+    assert f["endpoint"] == "chat" and f["completed"] == "4"
+    # ignore_eos reaches the chat route too: exactly 4 x 6 tokens.
+    assert float(f["output_tok_s"]) == pytest.approx(24 / float(f["time_s"]), rel=0.01)
+    assert math.isfinite(float(f["ttft_p50_ms"])) and float(f["ttft_p50_ms"]) > 0
+    with pytest.raises(ValueError, match="--endpoint"):
+        run_serve_bench(server.base, endpoint="embeddings")

@@ -8,6 +8,7 @@ import http.client
 import itertools
 import json
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -23,11 +24,26 @@ CMPL = "/v1/completions"
 MSGS = [{"role": "user", "content": "hi"}]
 
 
+@pytest.fixture(scope="module")
+def model_dir(tiny_llama_dir, tmp_path_factory):
+    """The tiny model with a tokenizer that declares model_max_length 128 (as real tokenizers
+    do), so that transformers has a reason to warn about long prompts."""
+    path = tmp_path_factory.mktemp("model") / "tiny"
+    shutil.copytree(tiny_llama_dir, path)
+    config_path = path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["model_max_length"] = 128
+    config_path.write_text(json.dumps(config))
+    return path
+
+
 @pytest.fixture(scope="module", params=["uni", "mp"])
-def server(tiny_llama_dir, tmp_path_factory, request):
+def server(model_dir, tmp_path_factory, request):
     """Every error path, with the worker in the server's process and in a child process."""
-    args = [str(tiny_llama_dir), *TINY_FLAGS, "--api-key", KEY,
+    traces = tmp_path_factory.mktemp("traces")
+    args = [str(model_dir), *TINY_FLAGS, "--api-key", KEY,
             "--max-request-body-bytes", str(LIMIT), "--served-model-name", "tiny",
+            "--additional-config", json.dumps({"profiler": {"output_dir": str(traces)}}),
             "--distributed-executor-backend", request.param]
     with run_server(args, tmp_path_factory.mktemp("logs")) as s:
         yield s
@@ -49,7 +65,9 @@ BAD_REQUESTS = [
     (CMPL, b"{not json", 400, ["not valid JSON"], None),
     (CMPL, b"", 400, ["empty"], None),
     (CMPL, b"[1, 2]", 400, ["JSON object"], None),
-    (CMPL, b'{"prompt": "hi", "temperature": NaN}', 400, ["NaN"], None),
+    (CMPL, b'{"prompt": "hi", "temperature": NaN}', 400, ["NaN"], "temperature"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "top_p": -Infinity}', 400,
+     ["-Infinity"], "top_p"),
     (CMPL, {"prompt": "hi", "bogus_field": 1}, 400, ["Unrecognized", "bogus_field"], "bogus_field"),
     (CMPL, {"max_tokens": 4}, 400, ["prompt is required"], "prompt"),
     (CMPL, {"prompt": "hi", "max_tokens": "5"}, 400, ["max_tokens", "integer"], "max_tokens"),
@@ -74,39 +92,58 @@ BAD_REQUESTS = [
     (CMPL, {"prompt": "hi", "min_tokens": 9, "max_tokens": 3}, 400, ["min_tokens"],
      "min_tokens"),
     (CMPL, {"prompt": "hi", "stream_options": {"include_usage": True}}, 400,
-     ["stream_options", "stream is true"], None),
-    (CMPL, {"prompt": "hi", "logit_bias": {"5": 1.0}}, 400, ["logit_bias"], None),
-    (CMPL, {"prompt": "hi", "echo": True}, 400, ["echo"], None),
-    (CMPL, {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, 400, ["prompt_logprobs"], None),
-    (CMPL, {"prompt": ""}, 400, ["empty"], None),
-    (CMPL, {"prompt": []}, 400, ["empty"], None),
-    (CMPL, {"prompt": [5, 99999]}, 400, ["99999", "vocabulary"], None),
+     ["stream_options", "stream is true"], "stream_options"),
+    (CMPL, {"prompt": "hi", "logit_bias": {"5": 1.0}}, 400, ["logit_bias"], "logit_bias"),
+    (CMPL, {"prompt": "hi", "echo": True}, 400, ["echo"], "echo"),
+    (CMPL, {"prompt": "hi", "suffix": "x"}, 400, ["suffix"], "suffix"),
+    (CMPL, {"prompt": "hi", "best_of": 3}, 400, ["best_of"], "best_of"),
+    (CMPL, {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, 400, ["prompt_logprobs"],
+     "prompt_logprobs"),
+    (CMPL, {"prompt": ""}, 400, ["empty"], "prompt"),
+    (CMPL, {"prompt": []}, 400, ["empty"], "prompt"),
+    (CMPL, {"prompt": ["hi", ""]}, 400, ["empty"], "prompt"),
+    (CMPL, {"prompt": [5, 99999]}, 400, ["99999", "vocabulary"], "prompt"),
+    (CMPL, {"prompt": [5, 99999], "stream": True}, 400, ["99999", "vocabulary"], "prompt"),
     (CMPL, {"prompt": "hi", "model": "gpt-4"}, 404, ["gpt-4", "does not exist"], "model"),
     (CMPL, {"prompt": "x" * 300}, 400, ["maximum context length is 256", "300"], "prompt"),
     (CMPL, {"prompt": "hi", "max_tokens": 1000}, 400, ["maximum context length", "max_tokens"],
-     "prompt"),
+     "max_tokens"),
     (CMPL, {"prompt": "x" * 300, "stream": True}, 400, ["maximum context length"], "prompt"),
     (CMPL, {"prompt": "hi", "temperature": -1, "stream": True}, 400, ["temperature"],
      "temperature"),
-    (CHAT, {"messages": []}, 400, ["messages is empty"], None),
+    (CHAT, {"messages": []}, 400, ["messages is empty"], "messages"),
     (CHAT, {"messages": "hi"}, 400, ["messages"], "messages"),
     (CHAT, {"messages": [{"content": "hi"}]}, 400, ["messages[0].role is required"],
      "messages[0].role"),
     (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, ["messages[0].content"],
      "messages[0].content"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     400, ["only text parts"], None),
-    (CHAT, {"messages": MSGS, "top_logprobs": 3}, 400, ["top_logprobs needs logprobs"], None),
+     400, ["only text parts"], "messages[0].content"),
+    (CHAT, {"messages": MSGS, "top_logprobs": 3}, 400, ["top_logprobs needs logprobs"],
+     "top_logprobs"),
     (CHAT, {"messages": MSGS, "logprobs": True, "top_logprobs": 99}, 400, ["top_logprobs"],
      "top_logprobs"),
-    (CHAT, {"messages": MSGS, "tools": [{"type": "function"}]}, 400, ["tools"], None),
+    (CHAT, {"messages": MSGS, "tools": [{"type": "function"}]}, 400, ["tools"], "tools"),
+    (CHAT, {"messages": MSGS, "tool_choice": "required"}, 400, ["tool_choice"], "tool_choice"),
+    (CHAT, {"messages": MSGS, "tools": [{"type": "function"}], "parallel_tool_calls": True}, 400,
+     ["tools"], "tools"),
+    (CHAT, {"messages": MSGS, "response_format": {"type": "json_object"}}, 400,
+     ["response_format"], "response_format"),
+    (CHAT, {"messages": MSGS, "response_format": {"type": "json_object"}, "stream": True}, 400,
+     ["response_format"], "response_format"),
+    (CHAT, {"messages": MSGS, "store": "yes"}, 400, ["store", "boolean"], "store"),
+    (CHAT, {"messages": MSGS, "metadata": {"k": 1}}, 400, ["metadata"], "metadata.k"),
     (CHAT, {"messages": MSGS, "chat_template": "{% if %}"}, 400, ["chat template"], "messages"),
     (CHAT, {"messages": MSGS, "chat_template_kwargs": {"tokenize": True}}, 400,
-     ["chat_template_kwargs", "tokenize"], None),
-    (CHAT, {"messages": MSGS, "max_completion_tokens": 5000}, 400, ["maximum context length"],
-     "prompt"),
+     ["chat_template_kwargs", "tokenize"], "chat_template_kwargs"),
+    (CHAT, {"messages": MSGS, "max_completion_tokens": 5000}, 400,
+     ["maximum context length", "reduce max_completion_tokens"], "max_completion_tokens"),
+    (CHAT, {"messages": MSGS, "max_tokens": 5000}, 400, ["reduce max_tokens"], "max_tokens"),
+    (CHAT, {"messages": [{"role": "user", "content": "x" * 300}]}, 400,
+     ["maximum context length is 256"], "messages"),
     (CHAT, {"messages": MSGS, "model": "other"}, 404, ["other"], "model"),
-    ("/tokenize", {"prompt": "a", "messages": MSGS}, 400, ["exactly one of"], None),
+    ("/tokenize", {"prompt": "a", "messages": MSGS}, 400, ["exactly one of"], "messages"),
+    ("/tokenize", {}, 400, ["exactly one of"], "prompt"),
     ("/tokenize", {"text": "a"}, 400, ["Unrecognized", "text"], "text"),
     ("/detokenize", {"tokens": [1, -4]}, 400, ["-4", "vocabulary"], "tokens"),
     ("/detokenize", {"tokens": "abc"}, 400, ["tokens"], "tokens"),
@@ -126,19 +163,39 @@ def test_bad_request(server, path, body, status, fragments, param):
     assert err["type"] == expected_type
 
 
-def test_api_key_required_on_v1_routes(server):
-    body = {"prompt": "hi", "max_tokens": 2}
-    code, _, raw = server.request("POST", CMPL, body)
-    assert_error(code, raw, 401, "missing API key")
-    code, _, raw = server.request("POST", CMPL, body, headers={"Authorization": "Bearer nope"})
-    err = assert_error(code, raw, 401, "invalid API key")
-    assert err["type"] == "authentication_error"
-    code, _, raw = server.request("GET", "/v1/models", headers={"Authorization": KEY})
-    assert_error(code, raw, 401)  # the key without "Bearer "
-    assert server.request("GET", "/v1/models", headers=AUTH)[0] == 200
-    # Health, metrics and version stay open for probes and scrapers.
+# Every route but /health, /version and /metrics, in an order that works with the right key
+# (the profiler is started before it is stopped).
+KEYED_ROUTES = [
+    ("POST", CMPL, {"prompt": "hi", "max_tokens": 2}),
+    ("POST", CHAT, {"messages": MSGS, "max_tokens": 2}),
+    ("GET", "/v1/models", None),
+    ("GET", "/v1/models/tiny", None),
+    ("POST", "/tokenize", {"prompt": "hi"}),
+    ("POST", "/detokenize", {"tokens": [1, 2]}),
+    ("POST", "/start_profile", None),
+    ("POST", "/stop_profile", None),
+    ("POST", "/reset_prefix_cache", None),
+    ("GET", "/docs", None),
+    ("GET", "/openapi.json", None),
+]
+
+
+def test_api_key_required_on_every_route_but_probes(server):
+    for method, path, body in KEYED_ROUTES:
+        code, _, raw = server.request(method, path, body)
+        assert_error(code, raw, 401, "missing API key")
+        code, _, raw = server.request(method, path, body,
+                                      headers={"Authorization": "Bearer nope"})
+        err = assert_error(code, raw, 401, "invalid API key")
+        assert err["type"] == "authentication_error"
+        code, _, raw = server.request(method, path, body, headers={"Authorization": KEY})
+        assert_error(code, raw, 401)  # the key without "Bearer "
+        code, _, raw = server.request(method, path, body, headers=AUTH)
+        assert code == 200, (path, raw)
+    # Health, metrics and version stay open for probes and scrapers, whatever key is sent.
     for path in ("/health", "/metrics", "/version"):
         assert server.request("GET", path)[0] == 200
+        assert server.request("GET", path, headers={"Authorization": "Bearer nope"})[0] == 200
 
 
 def test_openai_client_sees_typed_errors(server):
@@ -177,8 +234,10 @@ def test_body_size_limit(server):
 
 
 def test_unknown_route_and_method(server):
-    code, _, raw = server.request("GET", "/v2/nothing")
+    code, _, raw = server.request("GET", "/v2/nothing", headers=AUTH)
     assert_error(code, raw, 404, "/v2/nothing")
+    code, _, raw = server.request("GET", "/v2/nothing")  # no key: refused before routing
+    assert_error(code, raw, 401, "missing API key")
     code, _, raw = server.request("GET", CMPL, headers=AUTH)
     assert_error(code, raw, 405, "GET")
 
@@ -219,3 +278,12 @@ def test_a_killed_worker_process_turns_health_503_and_fails_requests(tiny_llama_
         status, body = s.json("POST", "/v1/completions",
                               {"model": model, "prompt": "hi", "max_tokens": 2})
         assert status == 503 and "restart" in body["error"]["message"]
+
+
+def test_long_prompt_gets_ingot_error_without_tokenizer_warning(server):
+    # 300 tokens: past the tokenizer's model_max_length (128) and max_model_len (256).
+    code, _, raw = server.request("POST", CMPL, {"prompt": "x" * 300}, headers=AUTH)
+    assert_error(code, raw, 400, "maximum context length is 256")
+    code, _, _ = server.request("POST", "/tokenize", {"prompt": "y" * 300}, headers=AUTH)
+    assert code == 200
+    assert "Token indices sequence length" not in server.log()

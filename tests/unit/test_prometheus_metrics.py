@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -196,3 +197,14 @@ def test_prefix_cache_counters_follow_the_kv_manager():
     assert 'ingot:prefix_cache_queries_total{model_name="m"} 150.0' in text
     assert 'ingot:prefix_cache_hits_total{model_name="m"} 96.0' in text
     assert 'ingot:prefix_cache_hit_rate{model_name="m"} 0.64' in text
+
+
+def test_metric_names_under_the_vllm_prefix():
+    from ingot.metrics.prometheus import metric_name
+
+    assert metric_name("num_requests_running") == "ingot:num_requests_running"
+    assert metric_name("num_requests_running", "vllm") == "vllm:num_requests_running"
+    # No vLLM counterpart: the ingot name stays, whatever the prefix.
+    assert metric_name("num_seqs_padding", "vllm") == "ingot:num_seqs_padding"
+    with pytest.raises(ValueError, match="ingot, vllm"):
+        metric_name("num_requests_running", "sglang")

@@ -76,7 +76,7 @@ def add_validate_parser(sub: argparse._SubParsersAction, add_engine_args: Callab
         from ingot.accuracy.capture import DEFAULT_PATTERNS
         from ingot.accuracy.report import verdict_table
         from ingot.accuracy.validate import DEFAULT_MAX_TOKENS, load_prompts, run_validation
-        from ingot.entrypoints.cli import engine_args_from
+        from ingot.entrypoints.cli import engine_args_from, size_one_shot
 
         if ns.model_pos is not None:
             if ns.model is not None and ns.model != ns.model_pos:
@@ -85,6 +85,8 @@ def add_validate_parser(sub: argparse._SubParsersAction, add_engine_args: Callab
                 )
             ns.model = ns.model_pos
         prompts = load_prompts(ns.prompts) if ns.prompts else None
+        # One prompt at a time; prompts of any length, so the token budget stays the default.
+        size_one_shot(ns, 1, None)
         report = run_validation(
             engine_args_from(ns),
             prompts=prompts,

@@ -6,6 +6,11 @@ until ``num_requests`` have been sent. Prompts are the shared workloads' seeded 
 generate exactly ``output_len`` tokens. Reports time to first token (TTFT), inter-token latency
 (ITL), request throughput and output tokens/s as one RESULT line.
 
+``endpoint="chat"`` sends /v1/chat/completions instead, each prompt written as words (one
+common English word per prompt id, about one token each for BPE vocabularies, plus the chat
+template's framing). TTFT is the first chunk that carries a choice, as a client counts it: a
+server that sent an empty role chunk before prefill would show it here.
+
 Threads with the standard library's http.client, not an async client: ingot's runtime
 dependencies carry no HTTP client, and at the concurrencies a 2-core server sustains the
 client's own overhead is small beside the server's per-step time.
@@ -35,6 +40,17 @@ class RequestTiming:
     itl: list[float] = field(default_factory=list)  # one entry per token after the first
     output_tokens: int = 0
     error: str | None = None
+
+
+# Chat prompts: one of these per prompt id (common words, mostly one BPE token each).
+CHAT_WORDS = (
+    "the", "of", "and", "to", "in", "is", "was", "for", "on", "as", "with", "by", "at", "from",
+    "his", "an", "were", "are", "which", "this", "be", "or", "has", "had", "not", "but", "one",
+    "its", "new", "after", "first", "also", "they", "who", "two", "her", "she", "been", "other",
+    "when", "time", "during", "there", "into", "more", "school", "years", "over", "only",
+    "city", "some", "world", "would", "where", "later", "up", "such", "used", "many", "can",
+    "state", "about", "national", "out",
+)
 
 
 def parse_sse_line(line: bytes) -> dict[str, Any] | None:
@@ -73,6 +89,7 @@ def stream_one(
             timing.error = f"HTTP {resp.status}: {resp.read()[:300]!r}"
             return timing
         last = start
+        first_seen = False
         while True:
             line = resp.readline()
             if not line:
@@ -85,13 +102,20 @@ def stream_one(
                 break
             now = time.perf_counter()
             new = chunk_token_count(chunk, timing.output_tokens)
-            has_text = any(c.get("text") or c.get("finish_reason") for c in chunk.get("choices", []))
+            choices = chunk.get("choices", [])
+            if choices and not first_seen:
+                # What a client counts as its first token: the first chunk with a choice.
+                first_seen = True
+                timing.ttft = now - start
+            has_text = any(
+                c.get("text") or (c.get("delta") or {}).get("content") or c.get("finish_reason")
+                for c in choices
+            )
             if new is None:  # no per-chunk usage: count each chunk with content as one token
                 new = 1 if has_text else 0
             if new == 0:
                 continue
             if timing.output_tokens == 0:
-                timing.ttft = now - start
                 # The first chunk may already carry several tokens (detokenizer holdback):
                 # they arrived together, so the rest count as zero-gap tokens.
                 timing.itl.extend([0.0] * (new - 1))
@@ -165,12 +189,15 @@ def run_serve_bench(
     engine: str = "ingot",
     warmup: bool = True,
     vocab_size: int | None = None,
+    endpoint: str = "completions",
 ) -> str:
     """Drive the server at ``base_url`` and return (and print) its RESULT line.
 
     ``vocab_size``: for models whose vocabulary is below the shared prompts' ids (< 40000), the
     ids are taken modulo it (prompts are unchanged for larger vocabularies).
     """
+    if endpoint not in ("completions", "chat"):
+        raise ValueError(f"--endpoint must be completions or chat, got {endpoint!r}")
     if concurrency < 1 or num_requests < 1 or input_len < 1 or output_len < 1:
         raise ValueError("--concurrency, --num-requests, --input-len and --output-len must be >= 1")
     url = urllib.parse.urlsplit(base_url)
@@ -178,12 +205,19 @@ def run_serve_bench(
         raise ValueError(f"--base-url must be http://HOST[:PORT][/prefix], got {base_url!r}")
     host, port = url.hostname, url.port or 80
     path = url.path.rstrip("/")
-    path = (path if path.endswith("/v1") else path + "/v1") + "/completions"
+    path = (path if path.endswith("/v1") else path + "/v1") + (
+        "/chat/completions" if endpoint == "chat" else "/completions"
+    )
     model = model or _served_model(host, port)
 
     def body(prompt: list[int], max_tokens: int) -> dict[str, Any]:
+        if endpoint == "chat":
+            text = " ".join(CHAT_WORDS[t % len(CHAT_WORDS)] for t in prompt)
+            request: dict[str, Any] = {"messages": [{"role": "user", "content": text}]}
+        else:
+            request = {"prompt": prompt}
         b: dict[str, Any] = {
-            "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            **request, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "ignore_eos": True,
             # Per-chunk usage lets ITL count tokens that arrive together in one chunk.
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
@@ -226,5 +260,7 @@ def run_serve_bench(
     if len(errors) == len(done):
         raise ValueError(f"every request failed; first error: {errors[0]}")
     line = summarize(done, wall, concurrency, input_len, output_len, engine)
+    if endpoint == "chat":
+        line += " endpoint=chat"
     print(line, flush=True)
     return line

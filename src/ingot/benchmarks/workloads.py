@@ -4,11 +4,14 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from typing import Any
 
 from ingot.config import EngineArgs
+
+logger = logging.getLogger("ingot")
 
 WORKLOADS: dict[str, tuple[int, int, int]] = {
     # name: (requests, input_len, output_len)
@@ -82,7 +85,11 @@ def run_workloads(
     lines.append(f"RESULT workload=startup engine=ingot time_s={time.perf_counter() - start:.2f}")
     print(lines[-1], flush=True)
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=4))
-    for name, n, inp, out in runs:
+    for i, (name, n, inp, out) in enumerate(runs, start=1):
+        # A workload runs for up to minutes: say what is running (the RESULT line follows it);
+        # a multi-request run also gets the LLM's bar on a terminal.
+        logger.info("bench %d/%d: %s, %d request(s) of %d prompt -> %d new tokens", i, len(runs),
+                    name, n, inp, out)
         prompts = [{"prompt_token_ids": p} for p in prompts_for(n, inp)]
         params = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
         t = time.perf_counter()

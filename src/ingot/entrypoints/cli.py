@@ -71,6 +71,77 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="compile cache root (default: $INGOT_CACHE_ROOT, else ~/.cache/ingot)")
 
 
+# ---- one-shot sizing ---------------------------------------------------------------------
+# `generate`, `chat`, `validate` and single-request `bench` runs know their workload: one
+# prompt (times --n) at a time. The engine's defaults are sized for a server (256 sequences:
+# a KV cache of several GB, a warmup step per decode batch bucket up to 256 and per prefill
+# bucket up to 2048), which made `ingot generate` spend most of a minute before its first
+# token. These commands set the existing knobs to what they will run instead; a flag the user
+# typed always wins. `serve` keeps the full grid and its warmup.
+ONE_SHOT_MIN_TOKENS = 128  # the smallest prefill bucket (core/buckets.py)
+ONE_SHOT_MAX_TOKENS = 2048  # the engine's default token budget: never raised above it
+CHAT_TOKEN_BUDGET = 256  # interactive turns: prefix caching leaves only the new turn to prefill
+# Room for a chat template's framing and special tokens around the messages.
+TEMPLATE_SLACK_TOKENS = 64
+
+
+def given_flags(argv: Sequence[str] | None) -> set[str]:
+    """The option dests the command line set explicitly (not parser or subcommand defaults),
+    found by parsing it again with every default suppressed."""
+    parser = build_parser()
+
+    def suppress(p: argparse.ArgumentParser) -> None:
+        p._defaults.clear()  # set_defaults(...), e.g. bench's peer settings
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    suppress(sub)
+            elif action.dest != "help":
+                action.default = argparse.SUPPRESS
+
+    suppress(parser)
+    return set(vars(parser.parse_args(argv)))
+
+
+def prefill_budget_for(num_tokens: int) -> int:
+    """The smallest power-of-two token budget (>= 128) that prefills ``num_tokens`` at once."""
+    budget = ONE_SHOT_MIN_TOKENS
+    while budget < min(num_tokens, ONE_SHOT_MAX_TOKENS):
+        budget *= 2
+    return budget
+
+
+def size_one_shot(ns: argparse.Namespace, num_seqs: int, prompt_tokens: int | None) -> None:
+    """Set max_num_seqs to the sequences the command runs at once and the token budget (hence
+    the prefill buckets) to the longest prompt it expects, unless the user gave them. The KV
+    cache follows: the worker never allocates more than max_num_seqs full-length sequences."""
+    given: set[str] = getattr(ns, "given_flags", set())
+    chosen = []
+    if "max_num_seqs" not in given:
+        ns.max_num_seqs = num_seqs
+        chosen.append(f"max_num_seqs={num_seqs}")
+    try:
+        extra = EngineArgs._json_arg("additional_config", ns.additional_config)
+    except ValueError:
+        extra = {}  # reported by the engine config with its own message
+    if (prompt_tokens is not None and "max_num_batched_tokens" not in given
+            and ns.enable_chunked_prefill  # without chunking the budget must cover max_model_len
+            and "num_batched_tokens_buckets" not in extra):
+        ns.max_num_batched_tokens = max(prefill_budget_for(prompt_tokens), ns.max_num_seqs)
+        chosen.append(f"max_num_batched_tokens={ns.max_num_batched_tokens}")
+    if chosen:
+        logger.info("sized for this command: %s (flags given on the command line win)",
+                    ", ".join(chosen))
+
+
+def prompt_token_bound(*texts: str | None, templated: bool = False) -> int:
+    """An upper bound on the prompt's tokens before the tokenizer is loaded: byte-level BPE
+    tokenizers give at most one token per UTF-8 byte (a longer prompt is still correct, its
+    prefill is only split into chunks)."""
+    n = sum(len(t.encode("utf-8")) for t in texts if t) + 8
+    return n + TEMPLATE_SLACK_TOKENS if templated else n
+
+
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     names = EngineArgs.field_names()
     return EngineArgs(**{k: v for k, v in vars(ns).items() if k in names})
@@ -115,6 +186,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     from ingot.entrypoints.llm import LLM
 
     params = sampling_params_from(ns)  # validate before loading the model
+    size_one_shot(ns, ns.n, prompt_token_bound(ns.prompt, ns.system, templated=ns.chat))
     llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
     if ns.chat:
         messages: list[dict[str, Any]] = []
@@ -133,6 +205,7 @@ def cmd_chat(ns: argparse.Namespace) -> int:
     from ingot.entrypoints.llm import LLM
 
     params = sampling_params_from(ns)
+    size_one_shot(ns, ns.n, CHAT_TOKEN_BUDGET)
     llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
     messages: list[dict[str, Any]] = []
     if ns.system:
@@ -215,8 +288,20 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         args,
         ns.host,
         ns.port,
-        {"api_key": api_key, "max_body_bytes": ns.max_request_body_bytes},
+        {"api_key": api_key, "max_body_bytes": ns.max_request_body_bytes,
+         **_server_log_settings(ns, api_key)},
+        metrics_name_prefix=ns.metrics_name_prefix,
     )
+
+
+def _server_log_settings(ns: argparse.Namespace, api_key: str | None) -> dict[str, Any]:
+    if ns.api_key_protect_metrics and not api_key:
+        raise ValueError("--api-key-protect-metrics needs an API key (--api-key or INGOT_API_KEY)")
+    if ns.enable_log_requests and ns.disable_log_requests:
+        raise ValueError("--enable-log-requests and --disable-log-requests contradict; drop one")
+    return {"api_key_protect_metrics": ns.api_key_protect_metrics,
+            "access_log": not ns.disable_uvicorn_access_log,
+            "log_requests": ns.enable_log_requests}
 
 
 def cmd_compile(ns: argparse.Namespace) -> int:
@@ -242,15 +327,20 @@ def cmd_compile(ns: argparse.Namespace) -> int:
 
 
 def cmd_bench(ns: argparse.Namespace) -> int:
-    from ingot.benchmarks.workloads import parse_batch_sizes, run_workloads
+    from ingot.benchmarks.workloads import WORKLOADS, parse_batch_sizes, run_workloads
 
     if ns.workload == "serve":  # a client of a running server: no engine in this process
         from ingot.benchmarks.serve import run_serve_bench
 
         run_serve_bench(ns.base_url, ns.concurrency, ns.num_requests, ns.input_len,
-                        ns.output_len, ns.model, ns.engine_label, vocab_size=ns.vocab_size)
+                        ns.output_len, ns.model, ns.engine_label, vocab_size=ns.vocab_size,
+                        endpoint=ns.endpoint)
         return 0
     names = ns.workload.split(",") if ns.workload != "all" else ["offline", "single", "prefill"]
+    if names and all(WORKLOADS.get(n, (2,))[0] == 1 for n in names):
+        # One request at a time: the grid of a 64-sequence run would only add warmup. The same
+        # buckets run (a prompt fits the budget whole, as with the default 2048).
+        size_one_shot(ns, 1, max(WORKLOADS[n][1] for n in names))
     run_workloads(engine_args_from(ns), names, progress=not ns.no_progress,
                   batch_sizes=parse_batch_sizes(ns.batch_sizes),
                   sweep_output_len=ns.sweep_output_len)
@@ -270,10 +360,23 @@ def build_parser() -> argparse.ArgumentParser:
                      help="address to listen on (default: %(default)s; 0.0.0.0 for all)")
     srv.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
     srv.add_argument("--api-key", default=None,
-                     help="require this key as 'Authorization: Bearer KEY' on /v1 routes "
+                     help="require this key as 'Authorization: Bearer KEY' on every route but "
+                     "/health, /version and /metrics "
                      "(default: $INGOT_API_KEY if set, else no key)")
     srv.add_argument("--max-request-body-bytes", type=int, default=8 * 2**20,
                      help="larger request bodies get 413 (default: %(default)s)")
+    # Server logging, metrics naming and key scope (docs/serving.md); vLLM's flag names.
+    srv.add_argument("--api-key-protect-metrics", action="store_true",
+                     help="also require the API key on /metrics")
+    srv.add_argument("--metrics-name-prefix", default="ingot", choices=["ingot", "vllm"],
+                     help="vllm: expose metrics that have a vLLM counterpart under vLLM's names "
+                     "(vllm:...) for vLLM dashboards (default: %(default)s)")
+    srv.add_argument("--enable-log-requests", action="store_true",
+                     help="log each generation request's prompt length and sampling parameters")
+    srv.add_argument("--disable-log-requests", action="store_true",
+                     help="do not log requests' parameters (the default; vLLM's older flag)")
+    srv.add_argument("--disable-uvicorn-access-log", action="store_true",
+                     help="no access-log line per HTTP request")
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 
@@ -316,6 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="engine= field of the RESULT line (default: %(default)s)")
     sv.add_argument("--vocab-size", type=int, default=None,
                     help="take prompt ids modulo this (for vocabularies under 40000)")
+    sv.add_argument("--endpoint", default="completions", choices=["completions", "chat"],
+                    help="the route to load; chat prompts are written as words "
+                    "(default: %(default)s)")
     add_engine_args(bench)
     # The peer script's settings, so both engines do identical work.
     bench.set_defaults(func=cmd_bench, dtype="bfloat16", max_model_len=2048, max_num_seqs=64,
@@ -344,6 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
+    ns.given_flags = given_flags(argv)
     logging.basicConfig(
         level=ns.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s"
     )
@@ -352,6 +459,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (IngotError, ValueError, FileNotFoundError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C before the server's own handler is installed (while the model loads) or in a
+        # one-shot command: stop quietly with the shell's convention for SIGINT, no traceback.
+        return 130
 
 
 if __name__ == "__main__":

@@ -18,6 +18,26 @@ from ingot.engine.outputs import RequestOutput
 from ingot.metrics.stats import BucketCounter, BucketStats
 
 PREFIX = "ingot:"
+METRICS_NAME_PREFIXES = ("ingot", "vllm")
+# Metrics with a vLLM counterpart of the same meaning, name (after the prefix) and labels
+# (model_name; request_success also finished_reason). ``--metrics-name-prefix vllm`` exposes
+# these as ``vllm:...``, so dashboards built for vLLM read them unchanged; the rest (padding,
+# buckets, start-up, compile figures) have no vLLM counterpart and keep ``ingot:``.
+VLLM_COUNTERPARTS = frozenset({
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens",
+    "generation_tokens", "request_success", "time_to_first_token_seconds",
+    "inter_token_latency_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+    "prefix_cache_queries", "prefix_cache_hits",
+})
+
+
+def metric_name(base: str, prefix: str = "ingot") -> str:
+    """The exposed name of a metric (before prometheus_client adds ``_total`` to counters)."""
+    if prefix not in METRICS_NAME_PREFIXES:
+        raise ValueError(
+            f"metrics name prefix must be one of {', '.join(METRICS_NAME_PREFIXES)}, got {prefix!r}"
+        )
+    return f"vllm:{base}" if prefix == "vllm" and base in VLLM_COUNTERPARTS else f"{PREFIX}{base}"
 FINISH_REASONS = ("stop", "length", "abort")
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -45,74 +65,76 @@ class _Seen:
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
+                 prefix: str = "ingot") -> None:
         self.registry = registry or CollectorRegistry()
         r, m = self.registry, ["model_name"]
+        metric_name("", prefix)  # an unknown prefix fails here, before any metric exists
         self.model_name = model_name
-        self.running = Gauge(f"{PREFIX}num_requests_running", "Requests running", m, registry=r)
-        self.waiting = Gauge(f"{PREFIX}num_requests_waiting", "Requests waiting", m, registry=r)
-        self.kv_usage = Gauge(f"{PREFIX}kv_cache_usage_perc", "KV cache usage (0-1)", m, registry=r)
-        self.kv_blocks_free = Gauge(f"{PREFIX}kv_cache_free_blocks", "Free KV blocks", m, registry=r)
-        self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prefilled prompt tokens", m, registry=r)
+        self.running = Gauge(metric_name("num_requests_running", prefix), "Requests running", m, registry=r)
+        self.waiting = Gauge(metric_name("num_requests_waiting", prefix), "Requests waiting", m, registry=r)
+        self.kv_usage = Gauge(metric_name("kv_cache_usage_perc", prefix), "KV cache usage (0-1)", m, registry=r)
+        self.kv_blocks_free = Gauge(metric_name("kv_cache_free_blocks", prefix), "Free KV blocks", m, registry=r)
+        self.prompt_tokens = Counter(metric_name("prompt_tokens", prefix), "Prefilled prompt tokens", m, registry=r)
         self.generation_tokens = Counter(
-            f"{PREFIX}generation_tokens", "Generated tokens", m, registry=r
+            metric_name("generation_tokens", prefix), "Generated tokens", m, registry=r
         )
         self.request_success = Counter(
-            f"{PREFIX}request_success", "Finished requests by finish reason",
+            metric_name("request_success", prefix), "Finished requests by finish reason",
             [*m, "finished_reason"], registry=r,
         )
         self.ttft = Histogram(
-            f"{PREFIX}time_to_first_token_seconds", "Time to first token", m,
+            metric_name("time_to_first_token_seconds", prefix), "Time to first token", m,
             buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.itl = Histogram(
-            f"{PREFIX}inter_token_latency_seconds", "Time between output tokens", m,
+            metric_name("inter_token_latency_seconds", prefix), "Time between output tokens", m,
             buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.e2e = Histogram(
-            f"{PREFIX}e2e_request_latency_seconds", "Arrival to finish", m,
+            metric_name("e2e_request_latency_seconds", prefix), "Arrival to finish", m,
             buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.queue_time = Histogram(
-            f"{PREFIX}request_queue_time_seconds", "Arrival to first scheduled", m,
+            metric_name("request_queue_time_seconds", prefix), "Arrival to first scheduled", m,
             buckets=_LATENCY_BUCKETS, registry=r,
         )
         b = [*m, "bucket_name"]
         self.seqs_padding = Histogram(
-            f"{PREFIX}num_seqs_padding", "Dummy decode rows per execution", b,
+            metric_name("num_seqs_padding", prefix), "Dummy decode rows per execution", b,
             buckets=SEQS_PADDING_BUCKETS, registry=r,
         )
         self.tokens_padding = Histogram(
-            f"{PREFIX}num_batched_tokens_padding", "Padded prefill tokens per execution", b,
+            metric_name("num_batched_tokens_padding", prefix), "Padded prefill tokens per execution", b,
             buckets=TOKENS_PADDING_BUCKETS, registry=r,
         )
         self.executions = Counter(
-            f"{PREFIX}bucket_execution_count", "Model executions per bucket", b, registry=r
+            metric_name("bucket_execution_count", prefix), "Model executions per bucket", b, registry=r
         )
-        self.startup = Gauge(f"{PREFIX}startup_time_seconds", "Start to ready", m, registry=r)
-        self.model_load = Gauge(f"{PREFIX}model_load_time_seconds", "Model load time", m, registry=r)
-        self.model_bytes = Gauge(f"{PREFIX}model_load_size_bytes", "Weight bytes", m, registry=r)
+        self.startup = Gauge(metric_name("startup_time_seconds", prefix), "Start to ready", m, registry=r)
+        self.model_load = Gauge(metric_name("model_load_time_seconds", prefix), "Model load time", m, registry=r)
+        self.model_bytes = Gauge(metric_name("model_load_size_bytes", prefix), "Weight bytes", m, registry=r)
         self.compilation = Gauge(
-            f"{PREFIX}compilation_time_seconds", "Graph compilation time", m, registry=r
+            metric_name("compilation_time_seconds", prefix), "Graph compilation time", m, registry=r
         )
         self.prefix_queries = Counter(
-            f"{PREFIX}prefix_cache_queries", "Prompt tokens looked up in the prefix cache", m,
+            metric_name("prefix_cache_queries", prefix), "Prompt tokens looked up in the prefix cache", m,
             registry=r,
         )
         self.prefix_hits = Counter(
-            f"{PREFIX}prefix_cache_hits", "Prompt tokens served from the prefix cache", m,
+            metric_name("prefix_cache_hits", prefix), "Prompt tokens served from the prefix cache", m,
             registry=r,
         )
         self.prefix_hit_rate = Gauge(
-            f"{PREFIX}prefix_cache_hit_rate", "Prefix cache hits / queries (tokens)", m, registry=r
+            metric_name("prefix_cache_hit_rate", prefix), "Prefix cache hits / queries (tokens)", m, registry=r
         )
         self._prefix_seen = (0, 0)
         # Real Inductor compiles (start-up warmup included): must not move while serving.
         self.compilations = Counter(
-            f"{PREFIX}compilations", "Graphs compiled (compile cache misses)", m, registry=r
+            metric_name("compilations", prefix), "Graphs compiled (compile cache misses)", m, registry=r
         )
         self.compile_cache_hits = Counter(
-            f"{PREFIX}compile_cache_hits", "Graphs loaded from the compile cache", m, registry=r
+            metric_name("compile_cache_hits", prefix), "Graphs loaded from the compile cache", m, registry=r
         )
         self._compile_seen = (0, 0)
         # Every child at zero from the start: a scraper sees the series (and rate() works)

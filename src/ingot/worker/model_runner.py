@@ -111,11 +111,13 @@ class ModelRunner:
         happen before the engine reports ready instead of in the first requests of each size.
         Returns the seconds it took."""
         from ingot.compilation.model_compiler import warmup_scheduler_output, warmup_shapes
+        from ingot.utils.progress import progress
 
         start = time.perf_counter()
         seen: set[tuple[str, int]] = set()
+        shapes = warmup_shapes(self.config)
         with self.grad_mode():
-            for shape in warmup_shapes(self.config):
+            for shape in progress(shapes, "warmup", total=len(shapes), unit="shape"):
                 rows = (shape.kind, shape.num_tokens)
                 if rows in seen or (shape.kind == "prefill" and shape.start_position > 0):
                     continue

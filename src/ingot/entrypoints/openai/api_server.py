@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn): `ingot serve`.
 
-Routes follow vLLM: /v1/completions, /v1/chat/completions, /v1/models, /health, /version,
+Routes follow vLLM: /v1/completions, /v1/chat/completions, /v1/models[/{model}], /health, /version,
 /tokenize, /detokenize, /metrics, /start_profile, /stop_profile. Every error a client can cause
 gets OpenAI's error JSON and the right status; the server keeps serving.
 """
@@ -30,10 +30,12 @@ from ingot.config import EngineArgs
 from ingot.engine.async_engine import AsyncLLM, EngineDeadError
 from ingot.engine.llm_engine import LLMEngine
 from ingot.engine.tokenizer import apply_chat_template
+from ingot.entrypoints.openai.access_log import AccessLogMiddleware
 from ingot.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    RequestValueError,
     TokenizeRequest,
     message_dicts,
     now,
@@ -90,11 +92,24 @@ def body_too_large(max_bytes: int) -> HTTPError:
     )
 
 
+# Routes that answer without the API key: probes and version checks (and the scraper's
+# /metrics unless --api-key-protect-metrics). Everything else, /docs included, needs the key.
+OPEN_PATHS = frozenset({"/health", "/version"})
+
+
 @dataclass
 class ServerSettings:
     served_model_name: str
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    api_key_protect_metrics: bool = False
+    access_log: bool = True  # one line per request (off: --disable-uvicorn-access-log)
+    log_requests: bool = False  # each generation request's parameters (--enable-log-requests)
+
+    def needs_key(self, path: str) -> bool:
+        if not self.api_key or path in OPEN_PATHS:
+            return False
+        return path != "/metrics" or self.api_key_protect_metrics
 
 
 class GuardMiddleware:
@@ -121,9 +136,10 @@ class GuardMiddleware:
             await error_response(exc.status, exc.message)(scope, receive, send)
             return
         key = self.settings.api_key
-        if key and scope["path"].startswith("/v1"):
+        if key and self.settings.needs_key(scope["path"]):
             auth = headers.get("authorization", "")
             token = auth[7:] if auth[:7].lower() == "bearer " else ""
+            # Constant time: the comparison must not reveal how much of a guess was right.
             if not hmac.compare_digest(token.encode(), key.encode()):
                 message = (
                     "invalid API key; send the server's key as 'Authorization: Bearer KEY'"
@@ -183,9 +199,35 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     return message, loc
 
 
-def _reject_constant(name: str) -> Any:
-    # Python's json accepts NaN and Infinity, which are not JSON and would pass range checks.
-    raise ValueError(f"{name} is not a valid JSON number")
+def value_error_param(exc: ValueError) -> str | None:
+    """The request field a ValueError is about: named by the request checks, or the leading
+    name of SamplingParams' messages ("top_p must be ...")."""
+    if isinstance(exc, RequestValueError):
+        return exc.param
+    match = _PARAM_IN_MESSAGE.match(str(exc))
+    return match.group(1) if match else None
+
+
+class _BadConstant:
+    """Python's json accepts NaN and Infinity, which are not JSON and would pass range checks:
+    they are parsed into this marker, then refused with the field they were found in."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _find_bad_constant(value: Any, path: str = "") -> tuple[str, str] | None:
+    if isinstance(value, _BadConstant):
+        return path, value.name
+    items = value.items() if isinstance(value, dict) else (
+        enumerate(value) if isinstance(value, list) else ()
+    )
+    for key, item in items:
+        sub = f"{path}[{key}]" if isinstance(key, int) else (f"{path}.{key}" if path else key)
+        found = _find_bad_constant(item, sub)
+        if found:
+            return found
+    return None
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
@@ -206,11 +248,18 @@ async def parse_body(request: Request, model: type[M], max_bytes: int) -> M:
     if not raw.strip():
         raise bad_request("the request body is empty; send a JSON object")
     try:
-        data = json.loads(raw, parse_constant=_reject_constant)
+        data = json.loads(raw, parse_constant=_BadConstant)
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
+    bad = _find_bad_constant(data)
+    if bad:
+        field, name = bad
+        raise bad_request(
+            f"the request body is not valid JSON: {field} is {name}, which is not a valid JSON "
+            "number; send a finite number", field,
+        )
     try:
         # Strict: a JSON string is not a number and 1 is not true; floats accept integers.
         return model.model_validate(data, strict=True)
@@ -245,7 +294,9 @@ async def _until_disconnected(request: Request, work: Awaitable[Any]) -> Any:
 def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: EngineMetrics) -> FastAPI:
     app = FastAPI(title="ingot", version=__version__)
     app.add_middleware(GuardMiddleware, settings=settings)
-    serving = OpenAIServing(engine, settings.served_model_name)
+    if settings.access_log:
+        app.add_middleware(AccessLogMiddleware)  # added last: outermost, sees 401s and 413s
+    serving = OpenAIServing(engine, settings.served_model_name, settings.log_requests)
     model_config = engine.engine.model_config
 
     @app.exception_handler(HTTPError)
@@ -264,14 +315,12 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: EngineMetrics
 
     @app.exception_handler(PromptTooLongError)
     async def on_too_long(_: Request, exc: PromptTooLongError) -> JSONResponse:
-        return error_response(400, str(exc), "invalid_request_error", "prompt")
+        return error_response(400, str(exc), "invalid_request_error",
+                              getattr(exc, "param", "prompt"))
 
     @app.exception_handler(ValueError)
     async def on_value_error(_: Request, exc: ValueError) -> JSONResponse:
-        # SamplingParams' messages start with the field's name ("top_p must be ...").
-        match = _PARAM_IN_MESSAGE.match(str(exc))
-        return error_response(400, str(exc), "invalid_request_error",
-                              match.group(1) if match else None)
+        return error_response(400, str(exc), "invalid_request_error", value_error_param(exc))
 
     @app.exception_handler(TemplateError)
     async def on_template_error(_: Request, exc: TemplateError) -> JSONResponse:
@@ -310,7 +359,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: EngineMetrics
                         yield piece
             except (ValueError, EngineDeadError) as exc:
                 status = 503 if isinstance(exc, EngineDeadError) else 400
-                yield sse(error_body(status, str(exc)))
+                param = value_error_param(exc) if isinstance(exc, ValueError) else None
+                yield sse(error_body(status, str(exc), param=param))
                 yield "data: [DONE]\n\n"
 
         return StreamingResponse(guarded(), media_type="text/event-stream")
@@ -336,19 +386,25 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: EngineMetrics
             return stream_response(serving.chat_stream(body, prompt, params))
         return JSONResponse(await _until_disconnected(request, serving.chat(body)))
 
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": settings.served_model_name,
+            "object": "model",
+            "created": now(),
+            "owned_by": "ingot",
+            "root": model_config.model,
+            "max_model_len": model_config.max_model_len,
+        }
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [{
-                "id": settings.served_model_name,
-                "object": "model",
-                "created": now(),
-                "owned_by": "ingot",
-                "root": model_config.model,
-                "max_model_len": model_config.max_model_len,
-            }],
-        }
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str) -> dict[str, Any]:
+        # OpenAI's route; the name may hold slashes ("org/model"), hence :path.
+        check_model(model)
+        return model_card()
 
     @app.get("/health")
     async def health() -> Response:
@@ -367,9 +423,10 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: EngineMetrics
     async def tokenize(request: Request) -> dict[str, Any]:
         body = await parse_body(request, TokenizeRequest, settings.max_body_bytes)
         check_model(body.model)
-        tokenizer = serving._need_tokenizer()
         if (body.prompt is None) == (body.messages is None):
-            raise bad_request("give exactly one of prompt or messages")
+            raise bad_request("give exactly one of prompt or messages",
+                              "prompt" if body.prompt is None else "messages")
+        tokenizer = serving._need_tokenizer("prompt" if body.prompt is not None else "messages")
         if body.messages is not None:
             text = apply_chat_template(
                 tokenizer, message_dicts(body.messages),
@@ -390,7 +447,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: EngineMetrics
             raise bad_request(
                 f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens"
             )
-        return {"prompt": serving._need_tokenizer().decode(body.tokens)}
+        return {"prompt": serving._need_tokenizer("tokens").decode(body.tokens)}
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -418,11 +475,13 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: EngineMetrics
     return app
 
 
-def build_engine(args: EngineArgs) -> tuple[AsyncLLM, EngineMetrics, float]:
+def build_engine(
+    args: EngineArgs, metrics_name_prefix: str = "ingot"
+) -> tuple[AsyncLLM, EngineMetrics, float]:
     """The engine with its metrics wired in; returns (engine, metrics, start-up seconds)."""
     start = time.perf_counter()
     config = args.create_engine_config()
-    metrics = EngineMetrics(config.model_config.served_model_name)
+    metrics = EngineMetrics(config.model_config.served_model_name, prefix=metrics_name_prefix)
 
     def on_abort(eng: LLMEngine, request_id: str, num_seqs: int) -> None:
         metrics.record_abort(eng, request_id, num_seqs)
@@ -439,11 +498,12 @@ def build_engine(args: EngineArgs) -> tuple[AsyncLLM, EngineMetrics, float]:
     return engine, metrics, elapsed
 
 
-def serve(engine_args: EngineArgs, host: str, port: int, settings_kwargs: dict[str, Any]) -> int:
+def serve(engine_args: EngineArgs, host: str, port: int, settings_kwargs: dict[str, Any],
+          metrics_name_prefix: str = "ingot") -> int:
     """Build the engine, then serve until interrupted."""
     import uvicorn
 
-    engine, metrics, elapsed = build_engine(engine_args)
+    engine, metrics, elapsed = build_engine(engine_args, metrics_name_prefix)
     served = engine.engine.model_config.served_model_name
     settings = ServerSettings(served_model_name=served, **settings_kwargs)
     app = build_app(engine, settings, metrics)

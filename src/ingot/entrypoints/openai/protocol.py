@@ -36,6 +36,14 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 })
 
 
+class RequestValueError(ValueError):
+    """A bad value in a request, with the request field it is about (the error's ``param``)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -72,13 +80,17 @@ class _SamplingFields(OpenAIModel):
 
     def _check_common(self) -> None:
         if self.logit_bias:
-            raise ValueError("logit_bias is not supported; remove it from the request")
+            raise RequestValueError(
+                "logit_bias is not supported; remove it from the request", "logit_bias"
+            )
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
+            raise RequestValueError(
+                "stream_options is only allowed when stream is true", "stream_options"
+            )
         if self.prompt_logprobs is not None and self.stream:
-            raise ValueError(
+            raise RequestValueError(
                 "prompt_logprobs is only returned in whole responses; drop it or set stream "
-                "to false"
+                "to false", "prompt_logprobs",
             )
 
     def _sampling_params(
@@ -117,13 +129,17 @@ class CompletionRequest(_SamplingFields):
     def to_sampling_params(self, max_model_len: int, prompt_len: int) -> SamplingParams:
         self._check_common()
         if self.echo:
-            raise ValueError("echo is not supported")
+            raise RequestValueError("echo is not supported; remove it or set it to false", "echo")
         if self.suffix:
-            raise ValueError("suffix is not supported")
+            raise RequestValueError("suffix is not supported; remove it", "suffix")
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of is not supported (only best_of == n)")
+            raise RequestValueError(
+                "best_of is not supported (only best_of == n); remove it", "best_of"
+            )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+            raise RequestValueError(
+                f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs"
+            )
         return self._sampling_params(self.max_tokens, self.logprobs, max_model_len - prompt_len)
 
 
@@ -142,38 +158,58 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # Accepted so that real clients' requests go through; none of them changes generation here
+    # (nothing is stored, no tiers exist), which docs/serving.md states.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
     add_generation_prompt: bool = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     def to_sampling_params(self, max_model_len: int, prompt_len: int) -> SamplingParams:
         self._check_common()
-        if self.tools or self.tool_choice not in (None, "none"):
-            raise ValueError("tools / tool_choice are not supported yet")
+        if self.tools:
+            raise RequestValueError("tools are not supported yet; remove them", "tools")
+        if self.tool_choice not in (None, "none"):
+            raise RequestValueError(
+                "tool_choice is not supported yet; remove it or send \"none\"", "tool_choice"
+            )
         if self.response_format is not None and self.response_format.get("type") != "text":
-            raise ValueError("response_format other than {'type': 'text'} is not supported yet")
+            raise RequestValueError(
+                "response_format other than {'type': 'text'} is not supported yet",
+                "response_format",
+            )
         if self.top_logprobs is not None:
             if not self.logprobs:
-                raise ValueError("top_logprobs needs logprobs: true")
+                raise RequestValueError("top_logprobs needs logprobs: true", "top_logprobs")
             if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-                raise ValueError(
-                    f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}"
+                raise RequestValueError(
+                    f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
+                    "top_logprobs",
                 )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        max_tokens = (
-            self.max_completion_tokens
-            if self.max_completion_tokens is not None
-            else self.max_tokens
-        )
-        return self._sampling_params(max_tokens, logprobs, max_model_len - prompt_len)
+        return self._sampling_params(self.requested_max_tokens, logprobs, max_model_len - prompt_len)
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """max_completion_tokens wins over the older max_tokens."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    @property
+    def max_tokens_field(self) -> str:
+        """The field the client set the completion length with (for error messages)."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def template_kwargs(self) -> dict[str, Any]:
         kwargs = dict(self.chat_template_kwargs or {})
         reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
         if reserved:
-            raise ValueError(
+            raise RequestValueError(
                 f"chat_template_kwargs may not set {reserved}; use the request's own fields "
-                "(add_generation_prompt, chat_template) instead"
+                "(add_generation_prompt, chat_template) instead", "chat_template_kwargs",
             )
         return kwargs
 
@@ -191,9 +227,10 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             texts = []
             for part in content:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ValueError(
+                    raise RequestValueError(
                         f"messages[{i}].content: only text parts "
-                        f'({{"type": "text", "text": "..."}}) are supported, got {part!r}'
+                        f'({{"type": "text", "text": "..."}}) are supported, got {part!r}',
+                        f"messages[{i}].content",
                     )
                 texts.append(part["text"])
             d["content"] = "".join(texts)

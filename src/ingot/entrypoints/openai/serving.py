@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,14 +15,18 @@ from ingot.engine.async_engine import AsyncLLM
 from ingot.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from ingot.engine.sampling_params import SamplingParams
 from ingot.engine.tokenizer import apply_chat_template
+from ingot.entrypoints.openai.access_log import record_usage
 from ingot.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    RequestValueError,
     UsageInfo,
     now,
     random_id,
 )
 from ingot.errors import PromptTooLongError
+
+request_logger = logging.getLogger("ingot.requests")
 
 
 @dataclass
@@ -37,6 +42,7 @@ class _ChoiceState:
     text_len: int = 0
     num_tokens: int = 0
     finished: bool = False
+    role_sent: bool = False  # chat: the role goes with the first generated content
 
 
 @dataclass
@@ -53,19 +59,33 @@ class _StreamState:
         cs.finished = c.finish_reason is not None
 
 
-def check_prompt_fits(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:
+class ContextLengthError(PromptTooLongError):
+    """Prompt plus completion over max_model_len; ``param`` names the field to change."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_prompt_fits(
+    prompt_len: int, max_tokens: int | None, max_model_len: int,
+    max_tokens_field: str = "max_tokens", prompt_field: str = "prompt",
+) -> None:
     # Checked before the sampling parameters are built: the default max_tokens is the room the
     # prompt leaves, which must be at least one token.
     if prompt_len >= max_model_len:
-        raise PromptTooLongError(
+        raise ContextLengthError(
             f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
-            f"{prompt_len} tokens, which leaves no room for a completion; shorten the prompt"
+            f"{prompt_len} tokens, which leaves no room for a completion; shorten the prompt",
+            prompt_field,
         )
     if max_tokens is not None and prompt_len + max_tokens > max_model_len:
-        raise PromptTooLongError(
+        # The prompt alone fits: it is the requested length that overflows.
+        raise ContextLengthError(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
-            f"{max_tokens} for the completion); reduce max_tokens or the prompt"
+            f"{max_tokens} for the completion); reduce {max_tokens_field} or the prompt",
+            max_tokens_field,
         )
 
 
@@ -116,18 +136,41 @@ async def merge(
             t.cancel()
 
 
+class _DropTooLongWarning(logging.Filter):
+    """transformers warns "Token indices sequence length is longer than the specified maximum
+    sequence length" when a prompt passes the tokenizer's model_max_length. The server checks
+    every prompt against max_model_len itself and answers a clear 400, so the warning is only
+    noise in the server log (a 1 MB prompt printed it before ingot's own error)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token indices sequence length is longer")
+
+
+_TOO_LONG_FILTER = _DropTooLongWarning()
+
+
+def silence_too_long_warning() -> None:
+    # The logger of transformers' tokenization base module; adding a filter twice is a no-op.
+    logging.getLogger("transformers.tokenization_utils_base").addFilter(_TOO_LONG_FILTER)
+
+
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, served_model_name: str) -> None:
+    def __init__(self, engine: AsyncLLM, served_model_name: str,
+                 log_requests: bool = False) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
+        self.log_requests = log_requests
+        silence_too_long_warning()
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.model_config.max_model_len
         self.vocab_size = engine.engine.model_config.vocab_size
 
     # ---- prompts -------------------------------------------------------------------------
-    def _need_tokenizer(self) -> Any:
+    def _need_tokenizer(self, param: str = "prompt") -> Any:
         if self.tokenizer is None:
-            raise ValueError("the server runs without a tokenizer; send token-id prompts")
+            raise RequestValueError(
+                "the server runs without a tokenizer; send token-id prompts", param
+            )
         return self.tokenizer
 
     def completion_prompts(self, prompt: Any) -> list[PreparedPrompt]:
@@ -136,12 +179,12 @@ class OpenAIServing:
         elif prompt and all(isinstance(t, int) for t in prompt):
             prompt = [prompt]
         if not prompt:
-            raise ValueError("prompt is empty; give at least one token")
+            raise RequestValueError("prompt is empty; give at least one token", "prompt")
         vocab = self.vocab_size
         prepared = []
         for p in prompt:
             if not p:
-                raise ValueError("prompt is empty; give at least one token")
+                raise RequestValueError("prompt is empty; give at least one token", "prompt")
             if isinstance(p, str):
                 prepared.append(PreparedPrompt(p, self._need_tokenizer().encode(p)))
                 continue
@@ -149,16 +192,17 @@ class OpenAIServing:
             # stream starts.
             bad = [t for t in p if not 0 <= t < vocab]
             if bad:
-                raise ValueError(
-                    f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
+                raise RequestValueError(
+                    f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
+                    "prompt",
                 )
             prepared.append(PreparedPrompt(None, list(p)))
         return prepared
 
     def chat_prompt(self, request: ChatCompletionRequest) -> PreparedPrompt:
         if not request.messages:
-            raise ValueError("messages is empty; give at least one message")
-        tokenizer = self._need_tokenizer()
+            raise RequestValueError("messages is empty; give at least one message", "messages")
+        tokenizer = self._need_tokenizer("messages")
         text = apply_chat_template(
             tokenizer,
             request.message_dicts(),
@@ -172,6 +216,10 @@ class OpenAIServing:
     def _streams(
         self, prompts: list[PreparedPrompt], params_list: list[SamplingParams], prefix: str
     ) -> list[AsyncIterator[RequestOutput]]:
+        if self.log_requests:
+            for i, (p, params) in enumerate(zip(prompts, params_list, strict=True)):
+                request_logger.info("request %s-%d: %d prompt tokens, %s", prefix, i,
+                                    len(p.token_ids), params)
         return [
             self.engine.generate(
                 {"prompt": p.text, "prompt_token_ids": p.token_ids}, params, f"{prefix}-{i}"
@@ -245,6 +293,7 @@ class OpenAIServing:
                     "prompt_logprobs": self._prompt_logprobs(finals[i]),
                 })
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        record_usage(prompt_tokens, completion_tokens)
         return {
             "id": request_id,
             "object": "text_completion",
@@ -267,7 +316,8 @@ class OpenAIServing:
         state = _StreamState(prompt_tokens=sum(len(p.token_ids) for p in prompts))
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         continuous = bool(request.stream_options and request.stream_options.continuous_usage_stats)
-        async with aclosing(merge(self._streams(prompts, params_list, request_id))) as merged:
+        async with aclosing(merge(self._streams(prompts, params_list, request_id))) as merged, \
+                _usage_recorded(state):
             async for i, out in merged:
                 for c in out.outputs:
                     index = i * n + c.index
@@ -310,9 +360,10 @@ class OpenAIServing:
     # ---- chat ----------------------------------------------------------------------------
     def prepare_chat(self, request: ChatCompletionRequest) -> tuple[PreparedPrompt, SamplingParams]:
         prompt = self.chat_prompt(request)
-        check_prompt_fits(len(prompt.token_ids), None, self.max_model_len)
+        check_prompt_fits(len(prompt.token_ids), None, self.max_model_len, prompt_field="messages")
         params = request.to_sampling_params(self.max_model_len, len(prompt.token_ids))
-        check_prompt_fits(len(prompt.token_ids), params.max_tokens, self.max_model_len)
+        check_prompt_fits(len(prompt.token_ids), params.max_tokens, self.max_model_len,
+                          request.max_tokens_field, "messages")
         return prompt, params
 
     @staticmethod
@@ -356,6 +407,7 @@ class OpenAIServing:
             for c in final.outputs
         ]
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
+        record_usage(len(prompt.token_ids), completion_tokens)
         return {
             "id": request_id,
             "object": "chat.completion",
@@ -389,13 +441,10 @@ class OpenAIServing:
                 body["usage"] = self._usage(state)
             return sse(body)
 
-        for i in range(params.n):
-            yield chunk(
-                [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                  "finish_reason": None}],
-                usage=include_usage and continuous,
-            )
-        async with aclosing(merge(self._streams([prompt], [params], request_id))) as merged:
+        # No chunk before the model has produced something: clients time their first token
+        # from the first chunk, so the role travels with each choice's first content (as vLLM).
+        async with aclosing(merge(self._streams([prompt], [params], request_id))) as merged, \
+                _usage_recorded(state):
             async for _, out in merged:
                 for c in out.outputs:
                     cs = state.choices.setdefault(c.index, _ChoiceState())
@@ -407,9 +456,13 @@ class OpenAIServing:
                     # chunk unless logprobs are streamed token by token.
                     if not delta_text and not c.finish_reason and (new_tokens == 0 or c.logprobs is None):
                         continue
+                    delta: dict[str, Any] = {"content": delta_text} if delta_text else {}
+                    if not cs.role_sent:
+                        delta = {"role": "assistant", "content": delta_text}
+                        cs.role_sent = True
                     choice = {
                         "index": c.index,
-                        "delta": {"content": delta_text} if delta_text else {},
+                        "delta": delta,
                         "logprobs": self._chat_logprobs(c, cs.num_tokens, top_n),
                         "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason,
@@ -419,6 +472,15 @@ class OpenAIServing:
         if include_usage:
             yield chunk([], usage=True)
         yield "data: [DONE]\n\n"
+
+
+@asynccontextmanager
+async def _usage_recorded(state: _StreamState) -> AsyncIterator[None]:
+    """Report a stream's usage to the access log however it ends (finished or disconnected)."""
+    try:
+        yield
+    finally:
+        record_usage(state.prompt_tokens, state.completion_tokens)
 
 
 def sse(body: dict[str, Any]) -> str:

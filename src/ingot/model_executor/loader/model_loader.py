@@ -13,6 +13,7 @@ from torch import nn
 from ingot.config import ModelConfig
 from ingot.model_executor.layers.linear import cpu_packed_linear_supported, pack_linear_weights
 from ingot.model_executor.models.registry import resolve_model_class
+from ingot.utils.progress import progress
 
 logger = logging.getLogger("ingot")
 
@@ -21,10 +22,13 @@ def iter_checkpoint(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tens
     if model_config.format == "gguf":
         from ingot.model_executor.loader.gguf_loader import load_gguf
 
-        return load_gguf(model_config.model).weights(model_config.dtype)
+        gguf = load_gguf(model_config.model)
+        return progress(gguf.weights(model_config.dtype), "loading weights",
+                        total=len(gguf.tensors), unit="tensor")
     from ingot.model_executor.loader.safetensors_loader import iter_safetensors
 
-    return iter_safetensors(model_config.model, model_config.dtype)
+    return progress(iter_safetensors(model_config.model, model_config.dtype), "loading weights",
+                    unit="tensor")
 
 
 def build_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
