@@ -118,6 +118,16 @@ class CompilationConfig:
 
 
 @dataclass
+class CpuThreadsConfig:
+    """CPU compute threads (--cpu-threads, --cpu-threads-bind, --cpu-adaptive-threads); the
+    policy and the environment variables it also reads are in platforms/cpu_threads.py."""
+
+    threads: int | None = None
+    bind: str | None = None
+    adaptive: bool = True
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -126,6 +136,7 @@ class EngineConfig:
     additional_config: dict[str, Any]
     buckets: BucketGrid
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
+    cpu_threads: CpuThreadsConfig = field(default_factory=CpuThreadsConfig)
 
 
 def resolve_model_path(model: str | None) -> tuple[str, str]:
@@ -213,6 +224,11 @@ class EngineArgs:
     compile: bool | None = None
     enable_fx_passes: bool = True
     cache_dir: str | None = None  # compile cache root (default $INGOT_CACHE_ROOT, ~/.cache/ingot)
+    # CPU compute threads: None = from the affinity mask, cgroup quota and OMP_NUM_THREADS /
+    # VLLM_CPU_OMP_THREADS_BIND (platforms/cpu_threads.py); adaptive: fewer while contended.
+    cpu_threads: int | None = None
+    cpu_threads_bind: str | None = None
+    cpu_adaptive_threads: bool = True
 
     @staticmethod
     def _json_arg(name: str, value: dict[str, Any] | str | None) -> dict[str, Any]:
@@ -299,6 +315,12 @@ class EngineArgs:
             additional_config, max_batched, self.max_num_seqs, max_model_len, self.block_size
         )
         compilation = self._compilation_config(platform.name, buckets)
+        cpu_threads = CpuThreadsConfig(self.cpu_threads, self.cpu_threads_bind,
+                                       bool(self.cpu_adaptive_threads))
+        if platform.name == "cpu":  # bad thread settings fail here, before the model loads
+            from ingot.platforms.cpu_threads import detect_cpu_budget, plan_threads
+
+            plan_threads(detect_cpu_budget(), os.environ, self.cpu_threads, self.cpu_threads_bind)
         model_config = ModelConfig(
             model=path,
             format=fmt,
@@ -332,6 +354,7 @@ class EngineArgs:
             additional_config=additional_config,
             buckets=buckets,
             compilation=compilation,
+            cpu_threads=cpu_threads,
         )
 
     def _compilation_config(self, platform_name: str, buckets: BucketGrid) -> CompilationConfig:

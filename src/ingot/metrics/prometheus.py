@@ -53,6 +53,8 @@ class EngineMetrics:
         self.waiting = Gauge(f"{PREFIX}num_requests_waiting", "Requests waiting", m, registry=r)
         self.kv_usage = Gauge(f"{PREFIX}kv_cache_usage_perc", "KV cache usage (0-1)", m, registry=r)
         self.kv_blocks_free = Gauge(f"{PREFIX}kv_cache_free_blocks", "Free KV blocks", m, registry=r)
+        self.cpu_threads = Gauge(f"{PREFIX}cpu_compute_threads",
+                                 "CPU compute threads in use (fewer while contended)", m, registry=r)
         self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prefilled prompt tokens", m, registry=r)
         self.generation_tokens = Counter(
             f"{PREFIX}generation_tokens", "Generated tokens", m, registry=r
@@ -183,6 +185,8 @@ class EngineMetrics:
             self._prefix_seen = (stats.queries, stats.hits)
             self.labels(self.prefix_hit_rate).set(stats.hit_rate)
         worker = engine.engine_core.executor.worker
+        if getattr(worker, "cpu_threads", None) is not None:
+            self.labels(self.cpu_threads).set(worker.cpu_threads.current)
         compile_stats = worker.compile_stats() if hasattr(worker, "compile_stats") else {}
         compiled, hits = compile_stats.get("compilations", 0), compile_stats.get("cache_hits", 0)
         seen_compiled, seen_hits = self._compile_seen

@@ -18,6 +18,7 @@ from ingot.core.sched_output import SchedulerOutput
 from ingot.model_executor.loader.model_loader import load_model
 from ingot.model_executor.models.llama import head_dim_of
 from ingot.platforms import resolve_platform
+from ingot.platforms.cpu_threads import start_cpu_threads
 from ingot.worker.kv_budget import (
     cap_fraction_from_env,
     compute_kv_budget,
@@ -163,6 +164,8 @@ class Worker:
         self.config = config
         self.platform = resolve_platform(config.device)
         self.device = self.platform.device()
+        # CPU compute threads: count, binding, adaptivity (platforms/cpu_threads.py).
+        self.cpu_threads = start_cpu_threads(config) if self.device.type == "cpu" else None
         torch.manual_seed(config.model_config.seed)
         start = time.perf_counter()
         self.model = load_model(config.model_config, self.device)
@@ -238,7 +241,10 @@ class Worker:
         calibrate_kv_scales(self.model, self.config, self.device)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        output = self.model_runner.execute_model(scheduler_output)
+        if self.cpu_threads is not None:
+            output = self.cpu_threads.execute(self.model_runner.execute_model, scheduler_output)
+        else:
+            output = self.model_runner.execute_model(scheduler_output)
         if not scheduler_output.is_empty:
             self.profiler.step()
         return output
