@@ -308,3 +308,67 @@ def test_probe_samples_other_shapes_do_not_count() -> None:
 def test_max_threads_must_be_positive() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         AdaptiveThreads(0)
+
+
+def test_bind_pins_the_calling_threads_team() -> None:
+    import os
+
+    from ingot.model_executor.layers.cpu_kernels import load_cpu_kernels
+    from ingot.platforms.cpu_threads import _bind_current_team
+
+    if load_cpu_kernels() is None:
+        pytest.skip("ingot's CPU kernels are not available here (no compiler or AVX512-BF16)")
+    before = os.sched_getaffinity(0)
+    cpu = max(before)
+    try:
+        assert _bind_current_team((cpu,))
+        assert os.sched_getaffinity(0) == {cpu}
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def test_cli_flags_reach_engine_args() -> None:
+    from ingot.entrypoints.cli import build_parser, engine_args_from
+
+    ns = build_parser().parse_args(["bench", "single", "--contend", "2", "--cpu-threads", "1",
+                                    "--cpu-threads-bind", "0", "--no-cpu-adaptive-threads"])
+    args = engine_args_from(ns)
+    assert ns.contend == 2
+    assert (args.cpu_threads, args.cpu_threads_bind, args.cpu_adaptive_threads) == (1, "0", False)
+
+
+def test_bad_thread_settings_fail_at_config_time(tiny_llama_dir: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from ingot.config import EngineArgs
+
+    with pytest.raises(ValueError, match="--cpu-threads"):
+        EngineArgs(model=str(tiny_llama_dir), device="cpu", cpu_threads=0).create_engine_config()
+    monkeypatch.setenv("OMP_NUM_THREADS", "lots")
+    with pytest.raises(ValueError, match="OMP_NUM_THREADS='lots' is not a positive integer"):
+        EngineArgs(model=str(tiny_llama_dir), device="cpu").create_engine_config()
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    config = EngineArgs(model=str(tiny_llama_dir), device="cpu", cpu_threads=1,
+                        cpu_adaptive_threads=False).create_engine_config()
+    assert (config.cpu_threads.threads, config.cpu_threads.adaptive) == (1, False)
+
+
+def test_worker_applies_and_logs_the_plan(tiny_llama_dir: Path,
+                                          caplog: pytest.LogCaptureFixture) -> None:
+    import torch
+
+    from ingot import LLM, SamplingParams
+
+    before = torch.get_num_threads()
+    try:
+        with caplog.at_level(logging.INFO, logger="ingot"):
+            llm = LLM(str(tiny_llama_dir), device="cpu", cpu_threads=1,
+                      cpu_adaptive_threads=False, max_model_len=64, max_num_seqs=2)
+        assert "CPU compute threads: 1 (--cpu-threads), unbound;" in caplog.text
+        worker = llm.llm_engine.engine_core.executor.worker
+        assert worker.cpu_threads.current == 1 and worker.cpu_threads.controller is None
+        torch.set_num_threads(2)  # as if another thread had changed it: the next step on a
+        worker.cpu_threads._thread = None  # new thread re-applies the plan
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

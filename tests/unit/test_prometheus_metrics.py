@@ -191,3 +191,15 @@ def test_prefix_cache_counters_follow_the_kv_manager():
     assert 'ingot:prefix_cache_queries_total{model_name="m"} 150.0' in text
     assert 'ingot:prefix_cache_hits_total{model_name="m"} 96.0' in text
     assert 'ingot:prefix_cache_hit_rate{model_name="m"} 0.64' in text
+
+
+def test_cpu_compute_threads_gauge_follows_the_worker():
+    m = EngineMetrics("m")
+    engine = _engine(BucketStats(), BlockPool(8))
+    m.record_gauges(engine)  # no CPU thread policy (CUDA): no sample
+    assert "ingot:cpu_compute_threads{" not in generate_latest(m.registry).decode()
+    engine.engine_core.executor.worker.cpu_threads = SimpleNamespace(current=2)
+    m.record_gauges(engine)
+    engine.engine_core.executor.worker.cpu_threads.current = 1
+    m.record_gauges(engine)
+    assert 'ingot:cpu_compute_threads{model_name="m"} 1.0' in generate_latest(m.registry).decode()
