@@ -264,8 +264,9 @@ def test_competitor_moves_to_fewer_threads_and_back(caplog: pytest.LogCaptureFix
         s.run(ctl, 40)
     assert ctl.current == 1 and ctl.switches[-1][1:3] == (2, 1)
     assert "CPU compute threads 2 -> 1: " in caplog.text  # the reason and both step times
-    s.run(ctl, 300)  # still contended: retries upward fail and back off
-    assert ctl.current == 1 and len(ctl.switches) == 1
+    probes = len(s.sets)
+    s.run(ctl, 300)  # still contended: /proc/stat says so, so no costly upward probes
+    assert ctl.current == 1 and len(ctl.switches) == 1 and len(s.sets) == probes
     s.others, s.times = 0.0, {1: 0.024, 2: 0.012}
     s.run(ctl, 40)
     assert ctl.current == 2 and ctl.switches[-1][1:3] == (1, 2)
@@ -372,3 +373,19 @@ def test_worker_applies_and_logs_the_plan(tiny_llama_dir: Path,
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_hopeless_probe_ends_after_one_step() -> None:
+    s = Script()
+    ctl = AdaptiveThreads(2, set_threads=s.sets.append, clock=s.clock, read_use=lambda: None)
+    s.run(ctl, 20)
+    s.times = {1: 0.024, 2: 0.060}
+    s.run(ctl, 20)
+    assert ctl.current == 1
+    for _ in range(200):  # until the periodic upward retry starts
+        s.run(ctl, 1)
+        if ctl.probe is not None:
+            break
+    assert ctl.probe is not None and ctl.probe.threads == 2
+    s.run(ctl, 1)  # 60 ms against 24: settled after this one step, not probe_steps
+    assert ctl.probe is None and ctl.current == 1 and s.sets[-2:] == [2, 1]

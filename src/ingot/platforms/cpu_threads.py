@@ -512,20 +512,24 @@ class AdaptiveThreads:
             return
         hist = self.recent.setdefault((key, self.current), deque(maxlen=self.window))
         hist.append(seconds)
+        med = statistics.median(hist)
+        down, up = self.current - 1, self.current + 1
+        busy = self.others is not None and self.others >= self.busy_cpus
+        # Other processes on our CPUs: probe at once, on whatever steps there are (a contended
+        # 2-thread step was measured at 25x a 1-thread one; waiting for a full window costs).
+        if busy and down >= 1 and self._may(down, now):
+            return self._start(down, key, med, f"other processes use {self.others:.1f} CPUs")
         if len(hist) < self.window:
             return
-        med = statistics.median(hist)
         base = self.baseline.get((key, self.current))
         if base is None or med < base:
             self.baseline[(key, self.current)] = base = med
-        down, up = self.current - 1, self.current + 1
-        if down >= 1:
-            if self.others is not None and self.others >= self.busy_cpus and self._may(down, now):
-                return self._start(down, key, med, f"other processes use {self.others:.1f} CPUs")
-            if med > self.slow_ratio * base and self._may(down, now):
-                return self._start(down, key, med,
-                                   f"steps take {med / base:.1f}x their recent median")
-        if up <= self.max_threads and self._may(up, now):
+        if down >= 1 and med > self.slow_ratio * base and self._may(down, now):
+            return self._start(down, key, med,
+                               f"steps take {med / base:.1f}x their recent median")
+        # Upward only while /proc/stat does not show others busy: under contention a probe of
+        # more threads costs steps many times slower, for nothing.
+        if up <= self.max_threads and not busy and self._may(up, now):
             quiet = self.others is not None and self.others < self.quiet_cpus
             return self._start(up, key, med, "the CPUs look free again" if quiet
                                else "periodic retry")
@@ -545,7 +549,9 @@ class AdaptiveThreads:
         p.steps += 1
         if key == p.key:
             p.samples.append(seconds)
-        if len(p.samples) < self.probe_steps and p.steps < 4 * self.probe_steps:
+        # One probe step twice as slow as before settles it: do not pay for two more.
+        hopeless = key == p.key and seconds > 2.0 * p.before
+        if not hopeless and len(p.samples) < self.probe_steps and p.steps < 4 * self.probe_steps:
             return
         self.probe = None
         if len(p.samples) >= self.probe_steps and \
