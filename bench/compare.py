@@ -268,7 +268,8 @@ def render_section(
     flags = ", ".join(machine.get("flags", [])) or "none of avx512f/avx512_bf16/amx"
     lines += ["", f"Machine: {machine.get('cpu')}, {machine.get('cores')} cores, "
               f"{machine.get('mem_gib')} GiB; flags: {flags}.", "",
-              "Threads: ingot with its default (torch's, one per core); vLLM with its default "
+              "Threads: ingot with its default (one per usable CPU, fewer while other processes "
+              "use them); vLLM with its default "
               "(it lowers torch to one thread and keeps the other core for its engine loop) and "
               "with OMP_NUM_THREADS=2; the better is reported per workload, named above."]
     for n in notes:  # one paragraph each
