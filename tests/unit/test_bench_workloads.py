@@ -2,6 +2,8 @@ import importlib.util
 import re
 from pathlib import Path
 
+import pytest
+
 from ingot.benchmarks.workloads import WORKLOADS, prompts_for, result_line
 
 PEER = Path(__file__).resolve().parents[3] / "shared" / "bench" / "vllm_workloads.py"
@@ -28,3 +30,24 @@ def test_result_line_format():
         r"time_s=2\.000 output_tok_s=4096\.0 total_tok_s=8192\.0",
         line,
     )
+
+
+def test_contention_runs_competitors_and_stops_them_on_error():
+    from ingot.benchmarks.contend import contention
+
+    procs = []
+    with pytest.raises(RuntimeError, match="workload failed"):
+        with contention(2) as running:
+            procs = list(running)
+            assert len(procs) == 2 and all(p.poll() is None for p in procs)
+            raise RuntimeError("workload failed")
+    assert all(p.returncode is not None for p in procs)
+
+
+@pytest.mark.parametrize("n", [-1, 1.5, True])
+def test_contend_rejects_bad_counts(n):
+    from ingot.benchmarks.contend import contention
+
+    with pytest.raises(ValueError, match="--contend must be 0 or a positive number"):
+        with contention(n):
+            pass

@@ -42,7 +42,7 @@ def _samples(metrics: EngineMetrics) -> dict:
 
 def _engine(
     stats: BucketStats, pool: BlockPool, running: int = 0, waiting: int = 0,
-    prefix: PrefixCacheStats | None = None,
+    prefix: PrefixCacheStats | None = None, cpu_threads: int | None = None,
 ):
     """An engine stand-in whose get_stats() reads the given objects at each call, as
     LLMEngine.get_stats() does."""
@@ -53,7 +53,7 @@ def _engine(
             "num_running": running, "num_waiting": waiting, "kv_usage": pool.usage(),
             "kv_blocks_free": pool.num_free_blocks, "prefix_cache_queries": prefix.queries,
             "prefix_cache_hits": prefix.hits, "prefix_cache_hit_rate": prefix.hit_rate,
-            "buckets": stats, "compilation": {},
+            "buckets": stats, "compilation": {}, "cpu_compute_threads": cpu_threads,
         }
 
     return SimpleNamespace(get_stats=get_stats)
@@ -208,3 +208,12 @@ def test_metric_names_under_the_vllm_prefix():
     assert metric_name("num_seqs_padding", "vllm") == "ingot:num_seqs_padding"
     with pytest.raises(ValueError, match="ingot, vllm"):
         metric_name("num_requests_running", "sglang")
+
+
+def test_cpu_compute_threads_gauge_follows_the_worker():
+    m = EngineMetrics("m")
+    m.record_gauges(_engine(BucketStats(), BlockPool(8)))  # no CPU thread policy (CUDA)
+    assert "ingot:cpu_compute_threads{" not in generate_latest(m.registry).decode()
+    m.record_gauges(_engine(BucketStats(), BlockPool(8), cpu_threads=2))
+    m.record_gauges(_engine(BucketStats(), BlockPool(8), cpu_threads=1))
+    assert 'ingot:cpu_compute_threads{model_name="m"} 1.0' in generate_latest(m.registry).decode()

@@ -61,10 +61,16 @@ def run_workloads(
     progress: bool = True,
     batch_sizes: list[int] | None = None,
     sweep_output_len: int = SWEEP_OUTPUT_LEN,
+    contend: int = 0,
 ) -> list[str]:
     """Run the named workloads on one engine; ``sweep`` runs one batch per ``batch_sizes``
-    entry and prints ``RESULT workload=sweep requests=B ...`` for each."""
+    entry and prints ``RESULT workload=sweep requests=B ...`` for each. ``contend`` competing
+    CPU-bound processes run from after start-up to the end of the last workload (their count
+    is the RESULT lines' ``contend=`` field)."""
     from ingot import LLM, SamplingParams
+    from ingot.benchmarks.contend import check_contend, contention
+
+    check_contend(contend)
 
     unknown = [n for n in names if n not in WORKLOADS and n != "sweep"]
     if unknown:
@@ -85,17 +91,19 @@ def run_workloads(
     lines.append(f"RESULT workload=startup engine=ingot time_s={time.perf_counter() - start:.2f}")
     print(lines[-1], flush=True)
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=4))
-    for i, (name, n, inp, out) in enumerate(runs, start=1):
-        # A workload runs for up to minutes: say what is running (the RESULT line follows it);
-        # a multi-request run also gets the LLM's bar on a terminal.
-        logger.info("bench %d/%d: %s, %d request(s) of %d prompt -> %d new tokens", i, len(runs),
-                    name, n, inp, out)
-        prompts = [{"prompt_token_ids": p} for p in prompts_for(n, inp)]
-        params = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
-        t = time.perf_counter()
-        results = llm.generate(prompts, params, use_tqdm=progress and n > 1)
-        seconds = time.perf_counter() - t
-        generated = sum(len(r.outputs[0].token_ids) for r in results)
-        lines.append(result_line(name, n, inp, out, seconds, generated))
-        print(lines[-1], flush=True)
+    with contention(contend):
+        for i, (name, n, inp, out) in enumerate(runs, start=1):
+            # A workload runs for up to minutes: say what is running (the RESULT line follows
+            # it); a multi-request run also gets the LLM's bar on a terminal.
+            logger.info("bench %d/%d: %s, %d request(s) of %d prompt -> %d new tokens", i,
+                        len(runs), name, n, inp, out)
+            prompts = [{"prompt_token_ids": p} for p in prompts_for(n, inp)]
+            params = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
+            t = time.perf_counter()
+            results = llm.generate(prompts, params, use_tqdm=progress and n > 1)
+            seconds = time.perf_counter() - t
+            generated = sum(len(r.outputs[0].token_ids) for r in results)
+            lines.append(result_line(name, n, inp, out, seconds, generated)
+                         + (f" contend={contend}" if contend else ""))
+            print(lines[-1], flush=True)
     return lines

@@ -94,6 +94,7 @@ class EngineCore:
         scheduler = self.scheduler
         kv = self.kv_cache_manager
         pool = kv.pool
+        runtime = self.collective_rpc("runtime_stats")[0]
         return {
             "scheduler_state": scheduler.state.value,
             "num_running": scheduler.num_running,
@@ -109,7 +110,8 @@ class EngineCore:
             "prefix_cache_hit_rate": kv.stats.hit_rate,
             "num_steps": self.num_steps,
             "buckets": scheduler.bucket_stats,
-            "compilation": self.collective_rpc("compile_stats")[0],
+            "compilation": runtime["compilation"],
+            "cpu_compute_threads": runtime["cpu_compute_threads"],
         }
 
     def shutdown(self) -> None:

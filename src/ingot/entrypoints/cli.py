@@ -59,6 +59,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--distributed-executor-backend", choices=["uni", "mp"], default=None,
                    help="uni: the worker runs in the engine's process (default for one "
                    "worker); mp: in a child process")
+    t = parser.add_argument_group("CPU threads (docs/configuration.md)")
+    t.add_argument("--cpu-threads", type=int, default=None,
+                   help="compute threads (default: OMP_NUM_THREADS, else one per CPU the "
+                   "affinity mask and cgroup quota allow)")
+    t.add_argument("--cpu-threads-bind", default=None,
+                   help="CPU list, one compute thread each (0-1, 0,2), or auto | nobind "
+                   "(default: $VLLM_CPU_OMP_THREADS_BIND, else auto: unbound)")
+    t.add_argument("--cpu-adaptive-threads", action=argparse.BooleanOptionalAction,
+                   default=d.cpu_adaptive_threads,
+                   help="run fewer compute threads while other processes use the CPUs "
+                   "(default: on)")
     c = parser.add_argument_group("compilation")
     c.add_argument("--enforce-eager", action="store_true",
                    help="never compile; run every step eagerly")
@@ -330,11 +341,13 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     from ingot.benchmarks.workloads import WORKLOADS, parse_batch_sizes, run_workloads
 
     if ns.workload == "serve":  # a client of a running server: no engine in this process
+        from ingot.benchmarks.contend import contention
         from ingot.benchmarks.serve import run_serve_bench
 
-        run_serve_bench(ns.base_url, ns.concurrency, ns.num_requests, ns.input_len,
-                        ns.output_len, ns.model, ns.engine_label, vocab_size=ns.vocab_size,
-                        endpoint=ns.endpoint)
+        with contention(ns.contend):
+            run_serve_bench(ns.base_url, ns.concurrency, ns.num_requests, ns.input_len,
+                            ns.output_len, ns.model, ns.engine_label, vocab_size=ns.vocab_size,
+                            endpoint=ns.endpoint)
         return 0
     names = ns.workload.split(",") if ns.workload != "all" else ["offline", "single", "prefill"]
     if names and all(WORKLOADS.get(n, (2,))[0] == 1 for n in names):
@@ -343,7 +356,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
         size_one_shot(ns, 1, max(WORKLOADS[n][1] for n in names))
     run_workloads(engine_args_from(ns), names, progress=not ns.no_progress,
                   batch_sizes=parse_batch_sizes(ns.batch_sizes),
-                  sweep_output_len=ns.sweep_output_len)
+                  sweep_output_len=ns.sweep_output_len, contend=ns.contend)
     return 0
 
 
@@ -401,6 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("workload", help="offline | single | prefill | sweep | a comma list | "
                        "all | serve")
     bench.add_argument("--no-progress", action="store_true")
+    bench.add_argument("--contend", type=int, default=0, metavar="N",
+                       help="run N CPU-bound competing processes during the workloads "
+                       "(default: %(default)s)")
     from ingot.benchmarks.workloads import SWEEP_OUTPUT_LEN
 
     sw = bench.add_argument_group("sweep")

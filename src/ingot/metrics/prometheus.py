@@ -75,6 +75,8 @@ class EngineMetrics:
         self.waiting = Gauge(metric_name("num_requests_waiting", prefix), "Requests waiting", m, registry=r)
         self.kv_usage = Gauge(metric_name("kv_cache_usage_perc", prefix), "KV cache usage (0-1)", m, registry=r)
         self.kv_blocks_free = Gauge(metric_name("kv_cache_free_blocks", prefix), "Free KV blocks", m, registry=r)
+        self.cpu_threads = Gauge(metric_name("cpu_compute_threads", prefix),
+                                 "CPU compute threads in use (fewer while contended)", m, registry=r)
         self.prompt_tokens = Counter(metric_name("prompt_tokens", prefix), "Prefilled prompt tokens", m, registry=r)
         self.generation_tokens = Counter(
             metric_name("generation_tokens", prefix), "Generated tokens", m, registry=r
@@ -204,6 +206,8 @@ class EngineMetrics:
             self.labels(self.prefix_hits).inc(stats["prefix_cache_hits"] - hits)
             self._prefix_seen = (stats["prefix_cache_queries"], stats["prefix_cache_hits"])
             self.labels(self.prefix_hit_rate).set(stats["prefix_cache_hit_rate"])
+        if stats.get("cpu_compute_threads") is not None:
+            self.labels(self.cpu_threads).set(stats["cpu_compute_threads"])
         compile_stats = stats.get("compilation", {})
         compiled, hits = compile_stats.get("compilations", 0), compile_stats.get("cache_hits", 0)
         seen_compiled, seen_hits = self._compile_seen

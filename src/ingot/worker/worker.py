@@ -19,6 +19,7 @@ from ingot.core.sched_output import SchedulerOutput
 from ingot.model_executor.loader.model_loader import load_model
 from ingot.model_executor.models.llama import head_dim_of
 from ingot.platforms import resolve_platform
+from ingot.platforms.cpu_threads import start_cpu_threads
 from ingot.worker.kv_budget import (
     cap_fraction_from_env,
     compute_kv_budget,
@@ -171,6 +172,8 @@ class Worker:
         self.rank = rank
         self.platform = resolve_platform(config.device)
         self.device = self.platform.device()
+        # CPU compute threads: count, binding, adaptivity (platforms/cpu_threads.py).
+        self.cpu_threads = start_cpu_threads(config) if self.device.type == "cpu" else None
         torch.manual_seed(config.model_config.seed)
         start = time.perf_counter()
         self.model = load_model(config.model_config, self.device)
@@ -237,6 +240,12 @@ class Worker:
             "pid": os.getpid(),
         }
 
+    def runtime_stats(self) -> dict[str, Any]:
+        """What changes while serving: compilation counters and the CPU compute threads in
+        use (None without a CPU thread policy)."""
+        threads = self.cpu_threads.current if self.cpu_threads is not None else None
+        return {"compilation": self.compile_stats(), "cpu_compute_threads": threads}
+
     def compile_stats(self) -> dict[str, Any]:
         """Compilation counters (plain numbers; all zero when running eagerly)."""
         if self.compiler is None:
@@ -273,7 +282,10 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.model_runner is not None, "initialize_cache() first"
-        output = self.model_runner.execute_model(scheduler_output)
+        if self.cpu_threads is not None:
+            output = self.cpu_threads.execute(self.model_runner.execute_model, scheduler_output)
+        else:
+            output = self.model_runner.execute_model(scheduler_output)
         if not scheduler_output.is_empty:
             self.profiler.step()
         return output

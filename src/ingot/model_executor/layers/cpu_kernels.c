@@ -3,9 +3,11 @@
  * Elementwise results are rounded to bf16 at the same points as the torch ops they replace
  * (products, sums, the normalised value before the RMSNorm weight), so outputs match torch's
  * eager bf16 path except where float32 reduction order or exp's last bit differ. */
+#define _GNU_SOURCE /* sched_setaffinity, CPU_SET: ingot_bind_threads */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
+#include <sched.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -546,4 +548,21 @@ void ingot_rope_write_kv_bf16(const uint16_t *q, int64_t q_stride, const uint16_
         memcpy(kc + slot * Hkv * D, ko + t * Hkv * D, Hkv * D * 2);
         memcpy(vc + slot * Hkv * D, v + t * v_stride, Hkv * D * 2);
     }
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Pin the calling thread's OpenMP team of n threads: thread i to CPU cpus[i] (what
+   --cpu-threads-bind / VLLM_CPU_OMP_THREADS_BIND ask for). libgomp keeps one team per master
+   thread and reuses it, so later regions of up to n threads run where this put them. Returns
+   the number of threads that could not be bound. */
+int ingot_bind_threads(const int *cpus, int n) {
+    int failed = 0;
+#pragma omp parallel num_threads(n) reduction(+ : failed)
+    {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(cpus[omp_get_thread_num()], &set);
+        if (omp_get_num_threads() != n || sched_setaffinity(0, sizeof(set), &set) != 0) failed++;
+    }
+    return failed;
 }

@@ -69,6 +69,9 @@ class CpuKernels:
         self.rope_write_kv = self._bind(
             lib.ingot_rope_write_kv_bf16, [p, i64, p, i64, p, i64] + [p] * 7 + [i64] * 4 + [i32]
         )
+        self.bind_threads = lib.ingot_bind_threads  # platforms/cpu_threads.py pins teams with it
+        self.bind_threads.restype = ctypes.c_int
+        self.bind_threads.argtypes = [ctypes.POINTER(ctypes.c_int), i32]
 
     @staticmethod
     def _bind(fn, argtypes):  # noqa: ANN001, ANN205
