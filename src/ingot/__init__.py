@@ -1,16 +1,23 @@
 """ingot: an LLM inference and serving engine with a vLLM-compatible surface."""
 
-from ingot.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from ingot.engine.sampling_params import SamplingParams
 from ingot.version import __version__
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
 
+# Everything but the version is imported on first use: the `ingot` command starts by importing
+# this package, and a Ctrl-C during a heavy import here would escape the CLI's handler.
+_LAZY = {
+    "LLM": "ingot.entrypoints.llm",
+    "SamplingParams": "ingot.engine.sampling_params",
+    "RequestOutput": "ingot.engine.outputs",
+    "CompletionOutput": "ingot.engine.outputs",
+    "Logprob": "ingot.engine.outputs",
+}
+
 
 def __getattr__(name: str):  # noqa: ANN202
-    # LLM pulls in torch and the model code; import it only when asked for.
-    if name == "LLM":
-        from ingot.entrypoints.llm import LLM
+    if name in _LAZY:
+        import importlib
 
-        return LLM
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'ingot' has no attribute {name!r}")

@@ -110,7 +110,8 @@ def test_warm_start_from_ingot_compile_compiles_nothing_and_matches_eager(
     from ingot.core.sched_output import ScheduledRequest, SchedulerOutput
 
     tokens = [random.Random(1).randrange(3, 259) for _ in range(100)]
-    step = SchedulerOutput([ScheduledRequest("r", tokens, 0, [1, 2, 3, 4], True, True, 128)])
+    step = SchedulerOutput([ScheduledRequest("r", tokens, 0, [1, 2, 3, 4], True)],
+                           is_prefill=True, num_padded=128)
     logits = []
     for engine in (llm, eager):
         runner = engine.llm_engine.engine_core.executor.worker.model_runner

@@ -55,7 +55,7 @@ def test_eager_on_cuda_matches_hf_fp32_greedy(tiny_llama_dir):
 
 
 def _decode_steps(llm: LLM) -> int:
-    return sum(c.executions for c in _worker(llm).model_runner.stats.decode.values())
+    return sum(c.executions for c in llm.llm_engine.get_stats()["buckets"].decode.values())
 
 
 def test_cuda_graph_decode_matches_eager(tiny_llama_dir):

@@ -9,8 +9,8 @@ Each step:
 3. prefill and decode are never in one batch.
 
 Packing several prompts into one step is a deliberate change from the original's one prefill
-per step: on CPU the linear layers run 2.3-3.6x cheaper per token at 2048 rows than at 128
-(docs/features.md). ``max_num_prefills_per_step: 1`` restores the original behaviour.
+per step: on CPUs with AMX the linear layers ran 2.3-3.6x cheaper per token at 2048 rows than
+at 128 (docs/features.md; about even on AVX-512-only CPUs). ``max_num_prefills_per_step: 1`` restores the original behaviour.
 
 Admission is bounded by the worst-case KV concurrency: at most
 ``usable_blocks // ceil(max_model_len / block_size)`` requests run at once, so every running
