@@ -376,7 +376,11 @@ def start_cpu_threads(config: Any, env: Mapping[str, str] | None = None) -> CpuT
             plan.threads, plan.source, plan.budget.usable,
         )
     controller = None
-    if plan.adaptive:
+    if plan.adaptive and config.compilation.enabled:
+        # Inductor bakes the thread count into the kernels it generates (and its cache key):
+        # switching counts would recompile while serving, which compiled engines must never do.
+        logger.info("adaptive CPU threads off: compiled layers keep %d threads", plan.threads)
+    elif plan.adaptive:
         import torch
 
         controller = AdaptiveThreads(plan.threads, cpus=plan.bind or plan.budget.affinity,
