@@ -40,7 +40,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache
         self.status = RequestStatus.WAITING
-        self.stop_reason: int | str | None = None
+        self.stop_reason: int | None = None  # the stop token id that ended it
         self.arrival_time = arrival_time or time.time()
         self.first_scheduled_time: float | None = None
 

@@ -122,6 +122,8 @@ class Scheduler:
         return tokens_left < self.prefill_token_budget
 
     def _admit(self) -> list[NewRequestData]:
+        if not self.waiting:  # the decode steady state: nothing to admit, no scan of running
+            return []
         self.holdback.extend(self.waiting)
         self.waiting.clear()
         admitted: list[NewRequestData] = []
@@ -194,6 +196,8 @@ class Scheduler:
 
     # ---- results -----------------------------------------------------------------------
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        """Sets ``request.stop_reason`` to the stop token id (never a string: stop strings are
+        the front end's) when a listed stop token ends the request."""
         params = request.sampling_params
         num_out = len(request.output_token_ids)
         if num_out >= params.min_tokens and token in params.all_stop_token_ids:
@@ -240,6 +244,6 @@ class Scheduler:
             status = self._check_stop(request, token)
             if status is not None:
                 out.finish_status = status
-                out.stop_reason = request.stop_reason if isinstance(request.stop_reason, int) else None
+                out.stop_reason = request.stop_reason
                 self.finish_request(req_id, status)
         return list(results.values())

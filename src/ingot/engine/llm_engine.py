@@ -43,7 +43,6 @@ class _ReqState:
     owner is the core; this is the copy that outputs are built from."""
 
     request_id: str
-    prompt_token_ids: list[int]
     params: SamplingParams
     detokenizer: IncrementalDetokenizer | None
     metrics: RequestMetrics
@@ -77,7 +76,6 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.model_config)
         self.engine_core = EngineCore(config)
         self.eos_token_ids = self._eos_token_ids()
-        self.eos_token_id = next(iter(sorted(self.eos_token_ids)), None)
         self.requests: dict[str, _ReqState] = {}
         self.parents: dict[str, _Parent] = {}
         self._child_to_parent: dict[str, str] = {}
@@ -185,7 +183,7 @@ class LLMEngine:
             )
         with_lp = params.logprobs is not None
         return _ReqState(
-            req_id, token_ids, params, detok,
+            req_id, params, detok,
             RequestMetrics(arrival_time=arrival_time or time.time()),
             logprobs=[] if with_lp else None,
             cumulative_logprob=0.0 if with_lp else None,

@@ -30,7 +30,6 @@ from ingot.model_executor.layers.sampler import (
 )
 from ingot.worker.cuda_graphs import CaptureFn, DecodeGraphs
 from ingot.worker.outputs import (
-    EMPTY_OUTPUT,
     ModelRunnerOutput,
     PromptLogprobsChunk,
     SampledLogprobs,
@@ -227,7 +226,7 @@ class ModelRunner:
     def _execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._register(so)
         if so.is_empty:
-            return EMPTY_OUTPUT
+            return ModelRunnerOutput([], [])
         input_ids, positions, meta, last_rows = self.prepare_inputs(so)
         hidden = None
         if self.decode_graphs is not None and not so.is_prefill:

@@ -32,5 +32,3 @@ class ModelRunnerOutput:
     logprobs: dict[str, SampledLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
 
-
-EMPTY_OUTPUT = ModelRunnerOutput([], [])
