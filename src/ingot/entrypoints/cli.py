@@ -59,6 +59,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--distributed-executor-backend", choices=["uni", "mp"], default=None,
                    help="uni: the worker runs in the engine's process (default for one "
                    "worker); mp: in a child process")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule the next step while the current one runs (default: "
+                   "docs/configuration.md)")
     t = parser.add_argument_group("CPU threads (docs/configuration.md)")
     t.add_argument("--cpu-threads", type=int, default=None,
                    help="compute threads (default: OMP_NUM_THREADS, else one per CPU the "
