@@ -263,6 +263,7 @@ class ModelRunner:
             block_size=bs,
             # Eager only: under compilation the flag would split a prefill bucket in two graphs.
             causal=causal,
+            is_decode=not so.is_prefill,
         )
         return input_ids.to(self.device), positions.to(self.device), meta, sample_rows
 

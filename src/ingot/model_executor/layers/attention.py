@@ -46,7 +46,10 @@ class AttentionMetadata:
     # is exact for the real rows (padded rows, whose outputs are dropped, may see unwritten
     # slots) and lets the kernel skip the blocks above the diagonal.
     causal: bool = False
-    # Decode (one token per request): keys each request attends to (its position + 1).
+    # The step's kind, as the scheduler decided it (never re-derived from the shapes): decode =
+    # one token per request. Kernels choose their decode program from this.
+    is_decode: bool = False
+    # Decode: keys each request attends to (its position + 1).
     seq_lens: torch.Tensor | None = None
 
     @classmethod
@@ -58,9 +61,11 @@ class AttentionMetadata:
         block_table: torch.Tensor,
         block_size: int | None = None,
         causal: bool = False,
+        is_decode: bool = False,
     ) -> AttentionMetadata:
         """Derive the grid layout from per-request query lengths (host side, O(T)). ``causal``:
-        a single request whose query starts at position 0 (see the field)."""
+        a single request whose query starts at position 0 (see the field). ``is_decode``: the
+        step is a decode step (every query length 1)."""
         device = positions.device
         num_reqs = len(query_lens)
         max_q = max(query_lens) if query_lens else 1
@@ -74,6 +79,8 @@ class AttentionMetadata:
         grid_positions = torch.zeros(num_reqs * max_q, dtype=torch.int64, device=device)
         grid_positions[token_to_grid] = positions[:total].to(torch.int64)
         grid_positions = grid_positions.view(num_reqs, max_q)
+        if is_decode and max_q != 1:
+            raise ValueError(f"a decode step has one token per request, got up to {max_q}")
         causal = causal and num_reqs == 1 and total == max_q
         attn_mask = None
         if block_size is not None and not causal:
@@ -93,7 +100,8 @@ class AttentionMetadata:
             write_slots=slot_mapping.clamp(min=0),
             write_valid=(slot_mapping >= 0).view(-1, 1, 1),
             causal=causal,
-            seq_lens=grid_positions[:, 0] + 1 if max_q == 1 else None,
+            is_decode=is_decode,
+            seq_lens=grid_positions[:, 0] + 1 if is_decode else None,
         )
 
 
@@ -178,8 +186,7 @@ def cpu_decode_applies(
     cache (FP8 caches keep the torch path), no FP8 calibration running."""
     return (
         cpu_kernels is not None
-        and meta.seq_lens is not None
-        and query.shape[0] == meta.num_reqs
+        and meta.is_decode
         and kv_cache.dtype == torch.bfloat16
         and query.dtype == torch.bfloat16
         and not (kv_scales is not None and kv_scales.calibrating)
