@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import time
 
+from ingot.engine.pooling_params import PoolingParams
 from ingot.engine.sampling_params import SamplingParams
 
 
@@ -30,12 +31,16 @@ class Request:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
+        sampling_params: SamplingParams | None,
         arrival_time: float | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
+        # Exactly one of the two: a generation request samples, a pooling request (prefill
+        # only) finishes with its pooled output once its prompt has run.
         self.sampling_params = sampling_params
+        self.pooling_params = pooling_params
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache

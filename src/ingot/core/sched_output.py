@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ingot.engine.pooling_params import PoolingParams
 from ingot.engine.sampling_params import SamplingParams
 
 
@@ -20,7 +21,8 @@ class NewRequestData:
 
     req_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None
+    pooling_params: PoolingParams | None = None  # a pooling request (no sampling params)
 
 
 @dataclass
@@ -29,7 +31,9 @@ class ScheduledRequest:
     token_ids: list[int]  # tokens computed this step (a prefill segment, or the last token)
     start_position: int  # absolute position of token_ids[0] (= computed tokens before the step)
     block_ids: list[int]  # all blocks the request owns, in order
-    sample: bool  # this step reaches the end of the known tokens: sample the next one
+    # This step reaches the end of the known tokens: sample the next one (a pooling request:
+    # its prompt is complete, its pooled output is due).
+    sample: bool
 
     @property
     def num_tokens(self) -> int:

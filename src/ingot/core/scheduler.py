@@ -131,8 +131,10 @@ class Scheduler:
         while self.holdback and self.can_schedule(num_prefilling, tokens_left):
             request = self.holdback.popleft()
             # A request that wants prompt logprobs needs logits at every prompt position, so it
-            # computes its whole prompt (its blocks are still published for others), as in vLLM.
-            lookup = request.prompt_token_ids if request.sampling_params.prompt_logprobs is None else ()
+            # computes its whole prompt (its blocks are still published for others), as in vLLM;
+            # so does a pooling request (it pools every prompt token's hidden state).
+            params = request.sampling_params
+            lookup = request.prompt_token_ids if params is not None and params.prompt_logprobs is None else ()
             request.num_computed_tokens = self.kv.admit(request.request_id, lookup)
             request.num_cached_tokens = request.num_computed_tokens
             request.status = RequestStatus.RUNNING
@@ -141,7 +143,8 @@ class Scheduler:
             num_prefilling += 1
             tokens_left += request.num_prompt_tokens - request.num_computed_tokens
             admitted.append(
-                NewRequestData(request.request_id, request.prompt_token_ids, request.sampling_params)
+                NewRequestData(request.request_id, request.prompt_token_ids,
+                               request.sampling_params, request.pooling_params)
             )
         self.waiting, self.holdback = self.holdback, deque()
         return admitted
@@ -170,6 +173,9 @@ class Scheduler:
                 if budget == 0:
                     break
                 n = min(request.num_prompt_tokens - request.num_computed_tokens, budget)
+                if n < request.num_prompt_tokens - request.num_computed_tokens and scheduled \
+                        and not self.config.enable_chunked_prefill:
+                    break  # no chunking: a prompt that does not fit whole waits for a later step
                 scheduled.append(self._schedule(request, n))
                 budget -= n
             total = sum(s.num_tokens for s in scheduled)
@@ -231,6 +237,11 @@ class Scheduler:
                 new_prompt_logprobs=output.prompt_logprobs.get(item.req_id),
             )
             results[item.req_id] = out
+            if request.pooling_params is not None and not self._in_prefill(request):
+                # Prefill only: a pooling request ends with its prompt, with its pooled output.
+                out.pooled = output.pooler_output.get(item.req_id)
+                out.finish_status = RequestStatus.FINISHED_STOPPED
+                self.finish_request(item.req_id, RequestStatus.FINISHED_STOPPED)
         for req_id, token in zip(output.req_ids, output.sampled_token_ids, strict=True):
             request = self.requests.get(req_id)
             out = results.get(req_id)

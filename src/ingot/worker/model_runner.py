@@ -22,6 +22,7 @@ from ingot.core.kv_cache_manager import NULL_BLOCK_ID, cdiv
 from ingot.core.sched_output import SchedulerOutput
 from ingot.engine.sampling_params import SamplingParams
 from ingot.model_executor.layers.attention import AttentionMetadata
+from ingot.model_executor.layers.pooler import Pooler, PoolingSegment
 from ingot.model_executor.layers.sampler import (
     LogprobsTensors,
     Sampler,
@@ -84,6 +85,9 @@ class ModelRunner:
         #: Autograd-free mode of every forward. Precompiled layers switch it to no_grad: their
         #: saved guards expect ordinary tensors (torch restores them without inference mode).
         self.grad_mode: Callable[[], AbstractContextManager[Any]] = torch.inference_mode
+        #: A pooling runner pools instead of computing logits and sampling (layers/pooler.py).
+        pooler_config = config.model_config.pooler_config
+        self.pooler = Pooler(pooler_config.pooling_type, model) if pooler_config else None
 
     def capture_decode_graphs(self, capture: CaptureFn | None = None) -> DecodeGraphs:
         """Capture every decode bucket of the grid (largest first, as the later, smaller graphs
@@ -135,7 +139,16 @@ class ModelRunner:
     def _register(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
+            if self.pooler is not None:
+                self.pooler.remove_request(req_id)
         for new in so.new_requests:
+            if new.pooling_params is not None:
+                assert self.pooler is not None, "a pooling request needs --runner pooling"
+                p = new.pooling_params
+                self.pooler.add_request(new.req_id, p.task or "embed", bool(p.normalize),
+                                        p.dimensions, p.activation is not False)
+                continue
+            assert new.sampling_params is not None
             generator = None
             if new.sampling_params.seed is not None:
                 generator = torch.Generator(device=self.device)
@@ -233,6 +246,8 @@ class ModelRunner:
             hidden = self.decode_graphs.replay(input_ids, positions, meta)
         if hidden is None:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if self.pooler is not None:  # no logits, no sampling
+            return ModelRunnerOutput([], [], pooler_output=self._pool(hidden, so, last_rows))
 
         # Which hidden rows need logits: the last real token of each sampling request, and
         # every real token of a prefill chunk whose request asked for prompt logprobs.
@@ -278,6 +293,17 @@ class ModelRunner:
                     ids, lps, rank = _tensors_to_lists(result.logprobs_tensors, row, k)
                     output.logprobs[req_id] = SampledLogprobs(ids, lps, rank)
         return output
+
+    def _pool(
+        self, hidden: torch.Tensor, so: SchedulerOutput, last_rows: list[int]
+    ) -> dict[str, list[float]]:
+        assert self.pooler is not None
+        segments = [
+            PoolingSegment(it.req_id, row - it.num_tokens + 1, it.num_tokens, it.start_position,
+                           it.sample)
+            for it, row in zip(so.scheduled, last_rows, strict=True)
+        ]
+        return self.pooler(hidden, segments)
 
     def _prompt_logprobs(
         self,

@@ -31,4 +31,6 @@ class ModelRunnerOutput:
     sampled_token_ids: list[int]
     logprobs: dict[str, SampledLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+    # Pooling runner: the finished requests' outputs (embedding, or label scores).
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)
 

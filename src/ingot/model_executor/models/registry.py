@@ -6,9 +6,11 @@ from typing import Any
 
 from torch import nn
 
-from ingot.model_executor.models import llama
+from ingot.model_executor.models import bert, llama
 
 _MODELS: dict[str, type[nn.Module]] = {
+    "BertModel": bert.BertModel,
+    "BertForSequenceClassification": bert.BertForSequenceClassification,
     "LlamaForCausalLM": llama.LlamaForCausalLM,
     "MistralForCausalLM": llama.MistralForCausalLM,
     "Qwen2ForCausalLM": llama.Qwen2ForCausalLM,
