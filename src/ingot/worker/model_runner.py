@@ -124,6 +124,8 @@ class ModelRunner:
                 rows = (shape.kind, shape.num_tokens)
                 if rows in seen or (shape.kind == "prefill" and shape.start_position > 0):
                     continue
+                if shape.kind == "decode" and self.pooler is not None:
+                    continue  # a pooling runner never decodes
                 seen.add(rows)
                 ids, positions, meta, _ = self.prepare_inputs(warmup_scheduler_output(shape))
                 self.model(ids, positions, self.kv_caches, meta)
