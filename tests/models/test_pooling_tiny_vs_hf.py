@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from tiny import make_tiny_model
+from tiny import bert_config, make_tiny_cross_encoder, make_tiny_model, randomise
 
 from ingot import LLM
 from ingot.engine.pooling_params import PoolingParams
@@ -24,37 +24,13 @@ PROMPTS = [
     [2, 9, 3],
     [2, *range(50, 90), 3],
 ]
-WORDS = "the cat sat on a mat dog ran far away big small red blue green house tree".split()
-
-
-def _bert_config(**overrides) -> transformers.BertConfig:
-    kwargs = dict(vocab_size=5 + len(WORDS), hidden_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, intermediate_size=128, max_position_embeddings=128,
-                  type_vocab_size=2)
-    kwargs.update(overrides)
-    return transformers.BertConfig(**kwargs)
-
-
-def _randomise(model: torch.nn.Module) -> None:
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "LayerNorm" in name or "bias" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-
-
-def _save_tokenizer(path) -> None:
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
-    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    transformers.BertTokenizerFast(str(path / "vocab.txt")).save_pretrained(path)
-
-
 @pytest.fixture(scope="module")
 def tiny_bert(tmp_path_factory):
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tiny-bert")
-    config = _bert_config(vocab_size=512)
+    config = bert_config(vocab_size=512)
     hf = transformers.BertModel(config).eval()
-    _randomise(hf)
+    randomise(hf)
     hf.save_pretrained(path, safe_serialization=True)
     return path, hf
 
@@ -120,15 +96,7 @@ def test_bert_causal_mask_breaks_the_gate(tiny_bert, monkeypatch):
 
 @pytest.fixture(scope="module")
 def tiny_cross_encoder(tmp_path_factory):
-    torch.manual_seed(1)
-    path = tmp_path_factory.mktemp("tiny-ce")
-    # Larger weights than HF's default init: the logit must vary with the input (segment B's
-    # token type included), or dropping token types could pass the gate.
-    config = _bert_config(num_labels=1, initializer_range=0.3)
-    hf = transformers.BertForSequenceClassification(config).eval()
-    _randomise(hf)
-    hf.save_pretrained(path, safe_serialization=True)
-    _save_tokenizer(path)
+    path, hf = make_tiny_cross_encoder(tmp_path_factory.mktemp("tiny-ce"))
     return path, hf, transformers.AutoTokenizer.from_pretrained(path)
 
 
@@ -160,8 +128,8 @@ def test_cross_encoder_scores_match_hf(tiny_cross_encoder):
 
 def test_classifier_softmax_matches_hf(tmp_path):
     torch.manual_seed(2)
-    hf = transformers.BertForSequenceClassification(_bert_config(num_labels=3, vocab_size=512)).eval()
-    _randomise(hf)
+    hf = transformers.BertForSequenceClassification(bert_config(num_labels=3, vocab_size=512)).eval()
+    randomise(hf)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     llm = _llm(tmp_path)
     try:

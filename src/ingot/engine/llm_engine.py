@@ -202,6 +202,12 @@ class LLMEngine:
             if k is not None and len(token_ids) > k:
                 token_ids = token_ids[-k:]
                 types = types[-k:] if types is not None else None
+        max_len = self.model_config.max_model_len
+        if len(token_ids) > max_len:
+            raise PromptTooLongError(
+                f"the input has {len(token_ids)} tokens, more than max_model_len ({max_len}); "
+                "shorten it or pass truncate_prompt_tokens (-1: cut to max_model_len)"
+            )
         self._validate_prompt(token_ids)
         if types is None:
             return text, token_ids, token_ids
