@@ -180,3 +180,15 @@ def test_causal_lm_convert_embed_chunked_matches_hf(tiny_qwen3, kind):
     finally:
         one_shot.llm_engine.shutdown()
         chunked.llm_engine.shutdown()
+
+
+@pytest.mark.slow
+def test_mp_executor_pools_like_uni(tiny_bert):
+    """The worker in a child process: pooling params and pooled vectors cross the pipe."""
+    path, hf = tiny_bert
+    llm = _llm(path, pooler_config={"pooling_type": "MEAN"}, distributed_executor_backend="mp")
+    try:
+        outs = llm.embed(PROMPTS)
+        assert min(_cosines(outs, [_hf_pool(hf, p, "MEAN") for p in PROMPTS])) >= COS_MIN
+    finally:
+        llm.llm_engine.shutdown()
