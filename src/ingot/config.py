@@ -528,11 +528,6 @@ class EngineArgs:
                     "(or auto)"
                 )
             convert = "embed" if self.convert == "auto" else self.convert
-            if convert == "classify":
-                raise ValueError(
-                    f"--convert classify is not supported for {arch} yet; ingot classifies with "
-                    "BertForSequenceClassification checkpoints (use --convert embed for embeddings)"
-                )
             task = convert
         st = _st_config(path)
         default_type = st.pooling_type or (

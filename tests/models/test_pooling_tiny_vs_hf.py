@@ -192,3 +192,24 @@ def test_mp_executor_pools_like_uni(tiny_bert):
         assert min(_cosines(outs, [_hf_pool(hf, p, "MEAN") for p in PROMPTS])) >= COS_MIN
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_causal_lm_classifier_matches_hf(tmp_path, tiny_qwen3):
+    """Qwen3ForSequenceClassification (last token -> score head) equals HF's logits; a plain
+    causal LM checkpoint has no head to convert."""
+    torch.manual_seed(3)
+    config = transformers.Qwen3Config(**{**transformers.AutoConfig.from_pretrained(
+        tiny_qwen3[0]).to_dict(), "num_labels": 3, "architectures": None})
+    hf = transformers.Qwen3ForSequenceClassification(config).eval()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    llm = _llm(tmp_path)
+    try:
+        got = torch.tensor([o.outputs.probs for o in llm.classify(PROMPTS, PoolingParams(activation=False))])
+        with torch.no_grad():
+            ref = torch.stack([hf(torch.tensor([p])).logits[0] for p in PROMPTS])
+        assert torch.allclose(got, ref, atol=1e-4)
+        assert not torch.allclose(got[:, [1, 2, 0]], ref, atol=1e-4)  # the gate can fail
+    finally:
+        llm.llm_engine.shutdown()
+    with pytest.raises(ValueError, match="score.weight"):
+        _llm(tiny_qwen3[0], runner="pooling", convert="classify")
