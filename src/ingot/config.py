@@ -98,6 +98,12 @@ class ModelConfig:
     pooler_config: PoolerConfig | None = None  # set iff runner == "pooling"
     #: Bidirectional attention (BERT): a prompt runs whole in one step, nothing is cached.
     is_encoder_only: bool = False
+    #: Prompts may be given as [seq_len, hidden] tensors (engine/prompt_embeds.py).
+    enable_prompt_embeds: bool = False
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.hf_config.hidden_size)
 
     @property
     def is_pooling(self) -> bool:
@@ -280,6 +286,8 @@ class EngineArgs:
     runner: str = "auto"
     convert: str = "auto"
     pooler_config: dict[str, Any] | str | None = None
+    # vLLM's flag: accept prompt_embeds tensors (off: a request with embeds is an error).
+    enable_prompt_embeds: bool = False
 
     @staticmethod
     def _json_arg(name: str, value: dict[str, Any] | str | None) -> dict[str, Any]:
@@ -393,6 +401,8 @@ class EngineArgs:
         buckets = BucketGrid.from_config(
             additional_config, max_batched, self.max_num_seqs, max_model_len, self.block_size
         )
+        if self.enable_prompt_embeds and runner == "pooling":
+            raise ValueError("enable_prompt_embeds is for generation; drop it with --runner pooling")
         compilation = self._compilation_config(platform.name, buckets, runner, encoder_only)
         prefills = self._max_prefills(additional_config, compilation)
         backend = self.distributed_executor_backend or "uni"
@@ -423,6 +433,7 @@ class EngineArgs:
             convert=convert,
             pooler_config=pooler,
             is_encoder_only=encoder_only,
+            enable_prompt_embeds=bool(self.enable_prompt_embeds),
         )
         return EngineConfig(
             model_config=model_config,
@@ -477,7 +488,13 @@ class EngineArgs:
                 "compile=True is not supported for encoder-only models (BERT runs eagerly); "
                 "drop --compile"
             )
-        enabled = not self.enforce_eager and not encoder_only and (
+        if self.enable_prompt_embeds and self.compile:
+            raise ValueError(
+                "compile=True is not supported with enable_prompt_embeds yet (the embeds run "
+                "eagerly); drop one"
+            )
+        eager_only = encoder_only or bool(self.enable_prompt_embeds)
+        enabled = not self.enforce_eager and not eager_only and (
             self.compile if self.compile is not None else platform_name == "cuda"
         )
         if enabled and not buckets.enabled:

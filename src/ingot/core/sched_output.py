@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from ingot.engine.pooling_params import PoolingParams
 from ingot.engine.sampling_params import SamplingParams
 
@@ -23,6 +25,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams | None
     pooling_params: PoolingParams | None = None  # a pooling request (no sampling params)
+    prompt_embeds: torch.Tensor | None = None  # [prompt_len, hidden]: replaces the token ids
 
 
 @dataclass

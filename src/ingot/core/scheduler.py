@@ -135,7 +135,8 @@ class Scheduler:
             # so does a pooling request (it pools every prompt token's hidden state).
             params = request.sampling_params
             lookup = request.prompt_token_ids if params is not None and params.prompt_logprobs is None else ()
-            request.num_computed_tokens = self.kv.admit(request.request_id, lookup)
+            request.num_computed_tokens = self.kv.admit(request.request_id, lookup,
+                                                        request.cache_salt)
             request.num_cached_tokens = request.num_computed_tokens
             request.status = RequestStatus.RUNNING
             request.first_scheduled_time = time.time()
@@ -144,7 +145,8 @@ class Scheduler:
             tokens_left += request.num_prompt_tokens - request.num_computed_tokens
             admitted.append(
                 NewRequestData(request.request_id, request.prompt_token_ids,
-                               request.sampling_params, request.pooling_params)
+                               request.sampling_params, request.pooling_params,
+                               request.prompt_embeds)
             )
         self.waiting, self.holdback = self.holdback, deque()
         return admitted

@@ -30,6 +30,11 @@ from ingot.engine.outputs import (
     SampleLogprobs,
 )
 from ingot.engine.pooling_params import PoolingParams
+from ingot.engine.prompt_embeds import (
+    PROMPT_EMBEDS_PLACEHOLDER,
+    check_prompt_embeds,
+    content_hash,
+)
 from ingot.engine.sampling_params import SamplingParams
 from ingot.engine.tokenizer import load_tokenizer
 from ingot.errors import PromptTooLongError
@@ -155,8 +160,15 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, token_ids = self.tokenize_prompt(prompt)
-        self._validate_prompt(token_ids)
+        embeds = self._prompt_embeds(prompt, params)
+        salt = b""
+        if embeds is not None:
+            # Scheduling stays in token space: one placeholder id per row.
+            text, token_ids = None, [PROMPT_EMBEDS_PLACEHOLDER] * embeds.shape[0]
+            salt = content_hash(embeds)
+        else:
+            text, token_ids = self.tokenize_prompt(prompt)
+            self._validate_prompt(token_ids)
         if params.prompt_logprobs is not None and len(token_ids) < 1:
             raise ValueError("prompt_logprobs needs a prompt")
         children = []
@@ -168,15 +180,34 @@ class LLMEngine:
             if not params.ignore_eos:
                 child_params.all_stop_token_ids |= self.eos_token_ids
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
-            children.append(self._make_request(child_id, token_ids, child_params, arrival_time))
+            detok_context = token_ids if embeds is None else []
+            children.append(self._make_request(child_id, detok_context, child_params, arrival_time))
         self.parents[request_id] = _Parent(request_id, [c.request_id for c in children], text, token_ids)
         for child in children:
             self.requests[child.request_id] = child
             self._child_to_parent[child.request_id] = request_id
             self.engine_core.add_request(
-                Request(child.request_id, token_ids, child.params, child.metrics.arrival_time)
+                Request(child.request_id, token_ids, child.params, child.metrics.arrival_time,
+                        prompt_embeds=embeds, cache_salt=salt)
             )
         return request_id
+
+    def _prompt_embeds(self, prompt: PromptType, params: SamplingParams) -> Any:
+        """The checked tensor of a ``{"prompt_embeds": tensor}`` prompt, else None."""
+        if not isinstance(prompt, Mapping) or "prompt_embeds" not in prompt:
+            return None
+        mc = self.model_config
+        if not mc.enable_prompt_embeds:
+            raise ValueError(
+                "prompt_embeds is off on this engine; start it with --enable-prompt-embeds "
+                "(LLM(enable_prompt_embeds=True))"
+            )
+        if params.prompt_logprobs is not None or params.repetition_penalty != 1.0:
+            raise ValueError(
+                "prompt_logprobs and repetition_penalty need the prompt's token ids; a "
+                "prompt_embeds request has none"
+            )
+        return check_prompt_embeds(prompt["prompt_embeds"], mc.hidden_size, mc.max_model_len)
 
     # ---- pooling requests ------------------------------------------------------------------
     def pooling_prompt(

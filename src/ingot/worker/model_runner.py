@@ -47,6 +47,7 @@ class CachedRequestState:
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    prompt_embeds: torch.Tensor | None = None  # [prompt_len, hidden] (replaces token ids)
 
 
 def slot_mapping(
@@ -156,7 +157,8 @@ class ModelRunner:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(new.sampling_params.seed)
             self.requests[new.req_id] = CachedRequestState(
-                new.sampling_params, list(new.prompt_token_ids), generator=generator
+                new.sampling_params, list(new.prompt_token_ids), generator=generator,
+                prompt_embeds=new.prompt_embeds,
             )
 
     def prepare_inputs(
@@ -246,6 +248,11 @@ class ModelRunner:
         hidden = None
         if self.decode_graphs is not None and not so.is_prefill:
             hidden = self.decode_graphs.replay(input_ids, positions, meta)
+        embeds = None
+        if so.is_prefill and self.config.model_config.enable_prompt_embeds:
+            embeds = self._prompt_embeds_inputs(so, input_ids.shape[0])
+        if hidden is None and embeds is not None:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, *embeds)
         if hidden is None:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if self.pooler is not None:  # no logits, no sampling
@@ -295,6 +302,30 @@ class ModelRunner:
                     ids, lps, rank = _tensors_to_lists(result.logprobs_tensors, row, k)
                     output.logprobs[req_id] = SampledLogprobs(ids, lps, rank)
         return output
+
+    def _prompt_embeds_inputs(
+        self, so: SchedulerOutput, num_rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(inputs_embeds [rows, H], is_token_ids [rows]) for a prefill step in which some
+        request still has prompt-embeds positions (its slice from its computed tokens on, so
+        a chunked prefill continues where it stopped); None otherwise."""
+        pieces = []
+        row = 0
+        for it in so.scheduled:
+            embeds = self.requests[it.req_id].prompt_embeds
+            if embeds is not None and it.start_position < embeds.shape[0]:
+                n = min(it.num_tokens, embeds.shape[0] - it.start_position)
+                pieces.append((row, embeds[it.start_position : it.start_position + n]))
+            row += it.num_tokens
+        if not pieces:
+            return None
+        hidden = pieces[0][1].shape[1]
+        inputs = torch.zeros(num_rows, hidden, dtype=self.config.model_config.dtype)
+        is_token_ids = torch.ones(num_rows, dtype=torch.bool)
+        for start, piece in pieces:
+            inputs[start : start + piece.shape[0]] = piece
+            is_token_ids[start : start + piece.shape[0]] = False
+        return inputs.to(self.device), is_token_ids.to(self.device)
 
     def _pool(
         self, hidden: torch.Tensor, so: SchedulerOutput, last_rows: list[int]
