@@ -318,3 +318,8 @@ def test_pooling_routes_need_a_pooling_model(server):
         status, err = server.json("POST", path, body)
         assert status == 400, (path, err)
         assert "--runner pooling" in err["error"]["message"]
+
+
+def test_prompt_embeds_need_the_flag(server):
+    status, err = server.json("POST", "/v1/completions", {"prompt_embeds": "AAAA", "max_tokens": 2})
+    assert status == 400 and "--enable-prompt-embeds" in err["error"]["message"]

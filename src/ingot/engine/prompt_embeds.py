@@ -110,7 +110,12 @@ def _load_torch_save(raw: bytes) -> object:
     try:
         with torch.sparse.check_sparse_tensor_invariants():
             return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, ValueError, TypeError, KeyError, EOFError,
+    except pickle.UnpicklingError:
+        raise ValueError(
+            "prompt_embeds (torch.save format) holds something other than plain tensors; it "
+            "was refused unread (send one dense tensor, preferably as safetensors)"
+        ) from None
+    except (RuntimeError, ValueError, TypeError, KeyError, EOFError,
             IndexError, AttributeError, zipfile.BadZipFile, OSError, NotImplementedError) as exc:
         raise ValueError(f"prompt_embeds (torch.save format) was refused: {exc}"[:500]) from None
 

@@ -69,6 +69,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--pooler-config", default=None,
                    help='JSON, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' (default: '
                    "from the architecture and sentence-transformers' modules.json)")
+    g.add_argument("--enable-prompt-embeds", action="store_true",
+                   help="accept prompts given as embeddings (prompt_embeds; docs/serving.md)")
     t = parser.add_argument_group("CPU threads (docs/configuration.md)")
     t.add_argument("--cpu-threads", type=int, default=None,
                    help="compute threads (default: OMP_NUM_THREADS, else one per CPU the "

@@ -119,7 +119,10 @@ class _SamplingFields(OpenAIModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] | None = None
+    # --enable-prompt-embeds: base64 safetensors (preferred) or torch.save bytes of a
+    # [seq_len, hidden] tensor, one per prompt (engine/prompt_embeds.py decodes them).
+    prompt_embeds: str | list[str] | None = None
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
