@@ -75,6 +75,32 @@ def test_bert_pooling_types_match_hf(tiny_bert, kind):
         llm.llm_engine.shutdown()
 
 
+def test_matryoshka_dimensions_renormalise(tiny_bert):
+    """Declared Matryoshka, ``dimensions`` cuts the vector and re-normalises it; otherwise it
+    is refused."""
+    path, _ = tiny_bert
+    plain = _llm(path, pooler_config={"pooling_type": "MEAN"})
+    try:
+        with pytest.raises(ValueError, match="matryoshka"):
+            plain.embed(PROMPTS[0], PoolingParams(dimensions=16))
+    finally:
+        plain.llm_engine.shutdown()
+    llm = _llm(path, pooler_config={"pooling_type": "MEAN"},
+               hf_overrides={"matryoshka_dimensions": [16, 32, 64]})
+    try:
+        full = torch.tensor(llm.embed(PROMPTS[0])[0].outputs.embedding)
+        cut = torch.tensor(llm.embed(PROMPTS[0], PoolingParams(dimensions=16))[0].outputs.embedding)
+        assert cut.shape == (16,)
+        assert abs(cut.double().norm().item() - 1) < 1e-6
+        assert torch.allclose(cut, torch.nn.functional.normalize(full[:16], dim=0), atol=1e-6)
+        with pytest.raises(ValueError, match="one of"):
+            llm.embed(PROMPTS[0], PoolingParams(dimensions=20))
+        raw = llm.embed(PROMPTS[0], PoolingParams(normalize=False))[0].outputs.embedding
+        assert abs(torch.tensor(raw).norm().item() - 1) > 1e-3
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_bert_causal_mask_breaks_the_gate(tiny_bert, monkeypatch):
     """A BERT with causal attention (the decoder's mask) must fail the HF comparison."""
     path, hf = tiny_bert
