@@ -58,6 +58,9 @@ KNOWN_ADDITIONAL_CONFIG = {
 # Prompts packed into one prefill step by default (eager layers). Chosen by measurement on the
 # project's CPU (docs/PERFORMANCE.md, "Packed prefill"); 1 is the original design's rule.
 DEFAULT_MAX_PREFILLS_PER_STEP = 8
+# Async scheduling when neither --async-scheduling nor --no-async-scheduling is given
+# (docs/features.md has the measurement behind the choice).
+DEFAULT_ASYNC_SCHEDULING = False
 EXECUTOR_BACKENDS = ("uni", "mp")
 # "auto" stores KV in the model dtype; fp8 / fp8_e4m3 store float8_e4m3fn with per-layer scales.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
@@ -139,6 +142,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool
     #: Prompts (or their segments) packed into one prefill step; 1 = one prefill per step.
     max_num_prefills_per_step: int = 1
+    #: Schedule step N+1 while step N runs (a batch queue of depth 2).
+    async_scheduling: bool = False
 
 
 @dataclass
@@ -277,6 +282,8 @@ class EngineArgs:
     cache_dir: str | None = None  # compile cache root (default $INGOT_CACHE_ROOT, ~/.cache/ingot)
     # vLLM's names. None: "uni" for one worker.
     distributed_executor_backend: str | None = None
+    # None = DEFAULT_ASYNC_SCHEDULING; True/False force it.
+    async_scheduling: bool | None = None
     # CPU compute threads: None = from the affinity mask, cgroup quota and OMP_NUM_THREADS /
     # VLLM_CPU_OMP_THREADS_BIND (platforms/cpu_threads.py); adaptive: fewer while contended.
     cpu_threads: int | None = None
@@ -451,6 +458,7 @@ class EngineArgs:
                 max_model_len=max_model_len,
                 enable_chunked_prefill=chunked,
                 max_num_prefills_per_step=prefills,
+                async_scheduling=self._async_scheduling(runner),
             ),
             parallel_config=ParallelConfig(distributed_executor_backend=backend),
             device=platform.name,
@@ -459,6 +467,17 @@ class EngineArgs:
             compilation=compilation,
             cpu_threads=cpu_threads,
         )
+
+    def _async_scheduling(self, runner: str) -> bool:
+        """A pooling runner schedules synchronously: its requests end with their prompt, and
+        the step after their last segment must not see them (integration-b §4)."""
+        if runner == "pooling":
+            if self.async_scheduling:
+                raise ValueError("async_scheduling is not supported with --runner pooling; drop it")
+            return False
+        if self.async_scheduling is None:
+            return DEFAULT_ASYNC_SCHEDULING
+        return bool(self.async_scheduling)
 
     @staticmethod
     def _max_prefills(additional_config: dict[str, Any], compilation: CompilationConfig) -> int:

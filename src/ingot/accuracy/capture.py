@@ -411,7 +411,7 @@ def capture_ingot(
             cap.set_step_info(
                 "prefill" if so.is_prefill else "decode",
                 [it.req_id for it in so.scheduled],
-                [len(it.token_ids) for it in so.scheduled],
+                [it.num_tokens for it in so.scheduled],
             )
         return original(so)
 

@@ -50,8 +50,15 @@ class Request:
         self.prompt_embeds = prompt_embeds
         self.cache_salt = cache_salt
         self.output_token_ids: list[int] = []
+        # Tokens whose computation has been scheduled (advanced when a step is scheduled, so
+        # the next step can be scheduled while this one runs).
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache
+        # Tokens scheduled to be sampled whose values have not come back yet (0 between
+        # synchronous steps; 1 or 2 under async scheduling).
+        self.num_output_placeholders = 0
+        # KV blocks the runner has been told about (0 until the first scheduled step).
+        self.num_blocks_sent = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | None = None  # the stop token id that ended it
         self.arrival_time = arrival_time or time.time()
@@ -68,15 +75,6 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
-
-    def token_ids_between(self, start: int, end: int) -> list[int]:
-        """all_token_ids[start:end] without building the whole list (decode hot path)."""
-        n_prompt = len(self.prompt_token_ids)
-        if start >= n_prompt:
-            return self.output_token_ids[start - n_prompt : end - n_prompt]
-        if end <= n_prompt:
-            return self.prompt_token_ids[start:end]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n_prompt]
 
     @property
     def is_finished(self) -> bool:

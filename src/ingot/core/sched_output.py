@@ -5,6 +5,12 @@ packed end to end, padded to one ``num_batched_tokens_buckets`` entry) or a deco
 token per running request, the batch padded to a ``num_seqs_buckets`` entry). The kind and the
 padded size are decided once, here; the runner and the attention backend read them from the
 step, never re-derive them from the tokens.
+
+The step is incremental: a request's prompt and sampling parameters travel once, the first step
+it is scheduled (``NewRequestData``); after that each step says only how many tokens it computes
+from which position and which blocks it gained. The runner holds every request's tokens (the
+prompt, and the tokens it sampled itself), so a step can be scheduled before the previous one's
+sampled tokens are known (async scheduling).
 """
 
 from __future__ import annotations
@@ -31,16 +37,12 @@ class NewRequestData:
 @dataclass
 class ScheduledRequest:
     req_id: str
-    token_ids: list[int]  # tokens computed this step (a prefill segment, or the last token)
-    start_position: int  # absolute position of token_ids[0] (= computed tokens before the step)
-    block_ids: list[int]  # all blocks the request owns, in order
-    # This step reaches the end of the known tokens: sample the next one (a pooling request:
-    # its prompt is complete, its pooled output is due).
+    num_tokens: int  # tokens computed this step (a prefill segment, or the one decode token)
+    start_position: int  # absolute position of the first (= tokens computed before the step)
+    new_block_ids: list[int]  # blocks allocated since the runner last heard (all, the first time)
+    # This step reaches the end of the request's tokens: sample the next one (a pooling
+    # request: its prompt is complete, its pooled output is due).
     sample: bool
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
 
 
 @dataclass
@@ -57,7 +59,7 @@ class SchedulerOutput:
 
     @property
     def total_num_scheduled_tokens(self) -> int:
-        return sum(len(r.token_ids) for r in self.scheduled)
+        return sum(r.num_tokens for r in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -65,4 +67,4 @@ class SchedulerOutput:
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:
-        return {r.req_id: len(r.token_ids) for r in self.scheduled}
+        return {r.req_id: r.num_tokens for r in self.scheduled}

@@ -103,7 +103,7 @@ class AsyncLLM:
         try:
             while not self._stopped:
                 self._run_commands()
-                if not engine.has_unfinished_requests():
+                if not engine.has_pending_work():
                     engine.check_health()  # a worker process that died while idle
                     self._wakeup.wait(timeout=0.5)
                     self._wakeup.clear()

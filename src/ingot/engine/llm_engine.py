@@ -357,6 +357,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.parents)
 
+    def has_pending_work(self) -> bool:
+        """User requests still running, or core work left over from finished ones (a step in
+        flight, workers not yet told to forget a request): a loop that owns the engine keeps
+        stepping until this is False."""
+        return bool(self.parents) or self.engine_core.has_pending_work()
+
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; refused (False) while requests hold blocks."""
         return self.engine_core.reset_prefix_cache()

@@ -59,6 +59,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--distributed-executor-backend", choices=["uni", "mp"], default=None,
                    help="uni: the worker runs in the engine's process (default for one "
                    "worker); mp: in a child process")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule the next step while the current one runs (default: "
+                   "docs/configuration.md)")
     p = parser.add_argument_group("pooling (docs/configuration.md)")
     p.add_argument("--runner", choices=["auto", "generate", "pooling"], default=d.runner,
                    help="generate text, or pool (embeddings, classification, scores); auto: "

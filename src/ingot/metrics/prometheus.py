@@ -138,7 +138,18 @@ class EngineMetrics:
         self.compile_cache_hits = Counter(
             metric_name("compile_cache_hits", prefix), "Graphs loaded from the compile cache", m, registry=r
         )
-        self._compile_seen = (0, 0)
+        # Async scheduling: decode steps fed by the previous step's sampled tokens, and those
+        # that had to build their inputs from the host's token lists.
+        self.async_steps = Counter(
+            metric_name("async_steps", prefix),
+            "Decode steps whose input ids were the previous step's sampled tokens", m, registry=r
+        )
+        self.sync_fallback_steps = Counter(
+            metric_name("sync_fallback_steps", prefix),
+            "Async-scheduled decode steps that fell back to host token lists", m, registry=r
+        )
+        # Worker totals already turned into counter increments, per stats key.
+        self._totals_seen: dict[str, float] = {}
         # Every child at zero from the start: a scraper sees the series (and rate() works)
         # before the first request, and a test can tell "zero" from "never exported".
         for metric in (
@@ -146,6 +157,7 @@ class EngineMetrics:
             self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue_time, self.startup,
             self.model_load, self.model_bytes, self.compilation, self.prefix_queries,
             self.prefix_hits, self.prefix_hit_rate, self.compilations, self.compile_cache_hits,
+            self.async_steps, self.sync_fallback_steps,
         ):
             self.labels(metric)
         for reason in FINISH_REASONS:
@@ -209,13 +221,18 @@ class EngineMetrics:
         if stats.get("cpu_compute_threads") is not None:
             self.labels(self.cpu_threads).set(stats["cpu_compute_threads"])
         compile_stats = stats.get("compilation", {})
-        compiled, hits = compile_stats.get("compilations", 0), compile_stats.get("cache_hits", 0)
-        seen_compiled, seen_hits = self._compile_seen
-        if compiled > seen_compiled:
-            self.labels(self.compilations).inc(compiled - seen_compiled)
-        if hits > seen_hits:
-            self.labels(self.compile_cache_hits).inc(hits - seen_hits)
-        self._compile_seen = (max(compiled, seen_compiled), max(hits, seen_hits))
+        self._count_total(self.compilations, "compilations", compile_stats.get("compilations", 0))
+        self._count_total(self.compile_cache_hits, "cache_hits", compile_stats.get("cache_hits", 0))
+        self._count_total(self.async_steps, "async_steps", stats.get("async_steps", 0))
+        self._count_total(self.sync_fallback_steps, "sync_fallback_steps",
+                          stats.get("sync_fallback_steps", 0))
+
+    def _count_total(self, counter: Counter, key: str, total: float) -> None:
+        """Advance ``counter`` to a running total the workers report (never backwards)."""
+        seen = self._totals_seen.get(key, 0)
+        if total > seen:
+            self.labels(counter).inc(total - seen)
+            self._totals_seen[key] = total
 
     def _record_pooling(self, out: PoolingRequestOutput, now: float) -> None:
         """A pooling request reports once, finished: its prompt tokens, success, latency."""

@@ -244,7 +244,15 @@ class Worker:
         """What changes while serving: compilation counters and the CPU compute threads in
         use (None without a CPU thread policy)."""
         threads = self.cpu_threads.current if self.cpu_threads is not None else None
-        return {"compilation": self.compile_stats(), "cpu_compute_threads": threads}
+        runner = self.model_runner
+        return {
+            "compilation": self.compile_stats(),
+            "cpu_compute_threads": threads,
+            "async_steps": runner.async_steps if runner is not None else 0,
+            "sync_fallback_steps": runner.sync_fallback_steps if runner is not None else 0,
+            # Requests the runner holds state for (0 once every finished id has reached it).
+            "num_runner_requests": len(runner.requests) if runner is not None else 0,
+        }
 
     def compile_stats(self) -> dict[str, Any]:
         """Compilation counters (plain numbers; all zero when running eagerly)."""
@@ -288,6 +296,7 @@ class Worker:
             output = self.model_runner.execute_model(scheduler_output)
         if not scheduler_output.is_empty:
             self.profiler.step()
+        output.runtime_stats = self.runtime_stats()
         return output
 
     def profile(self, is_start: bool) -> str | None:
