@@ -71,6 +71,8 @@ RUNNERS = ("auto", "generate", "pooling")
 CONVERTS = ("auto", "none", "embed", "classify")
 POOLING_TYPES = ("MEAN", "CLS", "LAST")
 POOLER_CONFIG_KEYS = {"pooling_type", "normalize"}
+# The default embedder's directory inside its package is plainly "model": serve it by name.
+DEFAULT_EMBEDDER_NAME = "all-MiniLM-L6-v2"
 
 
 @dataclass
@@ -319,9 +321,9 @@ class EngineArgs:
             raise ValueError(f"convert {self.convert!r} is not supported; use {', '.join(CONVERTS)}")
         # No model: the default embedder for a pooling runner, unless a conversion asks for
         # the default chat model to be turned into one.
-        path, fmt = resolve_model_path(
-            self.model, self.runner == "pooling" and self.convert in ("auto", "none")
-        )
+        default_embedder = self.model is None and self.runner == "pooling" and \
+            self.convert in ("auto", "none")
+        path, fmt = resolve_model_path(self.model, default_embedder)
         hf_config, generation_config = _load_hf_config(path, fmt)
         hf_overrides = self._json_arg("hf_overrides", self.hf_overrides)
         apply_hf_overrides(hf_config, hf_overrides)
@@ -434,7 +436,9 @@ class EngineArgs:
             skip_tokenizer_init=self.skip_tokenizer_init,
             seed=self.seed,
             hf_overrides=hf_overrides,
-            served_model_name=self.served_model_name or _default_served_name(path),
+            served_model_name=self.served_model_name or (
+                DEFAULT_EMBEDDER_NAME if default_embedder else _default_served_name(path)
+            ),
             generation_config=generation_config,
             runner=runner,
             convert=convert,

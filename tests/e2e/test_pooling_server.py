@@ -66,7 +66,7 @@ def reference():
 def test_openai_client_embeddings_float_and_base64(client, reference):
     tok, embed = reference
     model = client.models.list().data[0].id
-    assert model == "model"  # the default embedder's directory name
+    assert model == "all-MiniLM-L6-v2"  # the default embedder, by name
     ref = embed(TEXTS)
     for fmt in ("float", "base64"):
         resp = client.embeddings.create(model=model, input=TEXTS, encoding_format=fmt)
@@ -123,6 +123,8 @@ def test_pooling_errors_are_400_and_the_server_keeps_serving(server):
         assert fragment in err["error"]["message"], (path, err)
     status, body = server.json("POST", "/v1/embeddings", {"input": "still serving"})
     assert status == 200 and len(body["data"][0]["embedding"]) == 384
+    metrics = server.metrics_text()  # pooling requests are counted like any other
+    assert 'finished_reason="stop"' in metrics and "prompt_tokens_total" in metrics
     status, body = server.json(
         "POST", "/v1/embeddings", {"input": "word " * 400, "truncate_prompt_tokens": 16}
     )

@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from ingot import LLM
+from ingot import LLM, SamplingParams
 from ingot.engine.pooling_params import PoolingParams
 from ingot.model_executor.loader.packaged_models import default_embedder_path
 from ingot.model_executor.models import bert as ingot_bert
@@ -68,6 +68,11 @@ def test_defaults_from_sentence_transformers(llm_fp32):
     assert mc.architecture == "BertModel"
     assert (mc.pooler_config.pooling_type, mc.pooler_config.normalize) == ("MEAN", True)
     assert mc.max_model_len == 256  # sentence_bert_config.json max_seq_length
+    assert mc.served_model_name == "all-MiniLM-L6-v2"
+    with pytest.raises(ValueError, match="cannot generate"):
+        llm_fp32.generate("hello")
+    with pytest.raises(ValueError, match="PoolingParams"):
+        llm_fp32.embed("hello", SamplingParams())
 
 
 def test_fp32_equals_hf_mean_pooling(reference, llm_fp32):

@@ -70,6 +70,8 @@ def test_without_chunked_prefill_a_packed_prompt_is_never_split():
     ({"runner": "pooling", "pooler_config": {"pool": "MEAN"}}, "unknown pooler_config"),
     ({"runner": "pooling", "pooler_config": {"normalize": "yes"}}, "normalize"),
     ({"runner": "pooling", "kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+    ({"runner": "pooling", "async_scheduling": True}, "async_scheduling"),
+    ({"runner": "pooling", "enable_prompt_embeds": True}, "enable_prompt_embeds"),
 ])
 def test_pooling_knobs_are_validated(tiny_llama_dir, kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):

@@ -88,6 +88,14 @@ class LLM:
     ) -> list[PoolingRequestOutput]:
         """The model's own pooled output per prompt (an embedding, or label scores)."""
         prompt_list = self._as_prompt_list(prompts)
+        if isinstance(pooling_params, SamplingParams) or (
+            isinstance(pooling_params, list | tuple)
+            and any(isinstance(p, SamplingParams) for p in pooling_params)
+        ):
+            raise ValueError(
+                "sampling parameters do not apply to a pooling request (it returns vectors or "
+                "scores); pass PoolingParams"
+            )
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             base = pooling_params.clone() if pooling_params is not None else PoolingParams()
             params_list = [base] * len(prompt_list)
