@@ -10,6 +10,9 @@ from __future__ import annotations
 import enum
 import time
 
+import torch
+
+from ingot.engine.pooling_params import PoolingParams
 from ingot.engine.sampling_params import SamplingParams
 
 
@@ -30,12 +33,22 @@ class Request:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
+        sampling_params: SamplingParams | None,
         arrival_time: float | None = None,
+        pooling_params: PoolingParams | None = None,
+        prompt_embeds: torch.Tensor | None = None,
+        cache_salt: bytes = b"",
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
+        # Exactly one of the two: a generation request samples, a pooling request (prefill
+        # only) finishes with its pooled output once its prompt has run.
         self.sampling_params = sampling_params
+        self.pooling_params = pooling_params
+        # A prompt given as embeddings: prompt_token_ids are placeholders (scheduling stays in
+        # token space) and the prefix cache keys its blocks by ``cache_salt``, a content hash.
+        self.prompt_embeds = prompt_embeds
+        self.cache_salt = cache_salt
         self.output_token_ids: list[int] = []
         # Tokens whose computation has been scheduled (advanced when a step is scheduled, so
         # the next step can be scheduled while this one runs).

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
+from ingot.engine.pooling_params import PoolingParams
 from ingot.engine.sampling_params import SamplingParams
 
 
@@ -26,7 +29,9 @@ class NewRequestData:
 
     req_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None
+    pooling_params: PoolingParams | None = None  # a pooling request (no sampling params)
+    prompt_embeds: torch.Tensor | None = None  # [prompt_len, hidden]: replaces the token ids
 
 
 @dataclass
@@ -35,7 +40,9 @@ class ScheduledRequest:
     num_tokens: int  # tokens computed this step (a prefill segment, or the one decode token)
     start_position: int  # absolute position of the first (= tokens computed before the step)
     new_block_ids: list[int]  # blocks allocated since the runner last heard (all, the first time)
-    sample: bool  # this step reaches the end of the request's tokens: sample the next one
+    # This step reaches the end of the request's tokens: sample the next one (a pooling
+    # request: its prompt is complete, its pooled output is due).
+    sample: bool
 
 
 @dataclass

@@ -135,9 +135,12 @@ class Scheduler:
         while self.holdback and self.can_schedule(num_prefilling, tokens_left):
             request = self.holdback.popleft()
             # A request that wants prompt logprobs needs logits at every prompt position, so it
-            # computes its whole prompt (its blocks are still published for others), as in vLLM.
-            lookup = request.prompt_token_ids if request.sampling_params.prompt_logprobs is None else ()
-            request.num_computed_tokens = self.kv.admit(request.request_id, lookup)
+            # computes its whole prompt (its blocks are still published for others), as in vLLM;
+            # so does a pooling request (it pools every prompt token's hidden state).
+            params = request.sampling_params
+            lookup = request.prompt_token_ids if params is not None and params.prompt_logprobs is None else ()
+            request.num_computed_tokens = self.kv.admit(request.request_id, lookup,
+                                                        request.cache_salt)
             request.num_cached_tokens = request.num_computed_tokens
             request.status = RequestStatus.RUNNING
             request.first_scheduled_time = time.time()
@@ -151,6 +154,8 @@ class Scheduler:
         """Another sampled token is still allowed: a step already in flight may have taken the
         request to its max_tokens or to max_model_len (never true between synchronous steps,
         where such a request has finished)."""
+        if request.sampling_params is None:  # a pooling request never decodes
+            return False
         pending = request.num_output_placeholders
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is not None and len(request.output_token_ids) + pending >= max_tokens:
@@ -164,7 +169,9 @@ class Scheduler:
         blocks = self.kv.allocate_slots(request.request_id, start + n)  # actual tokens only
         if request.num_blocks_sent == 0:  # its first step: the runner learns of it now
             new_requests.append(
-                NewRequestData(request.request_id, request.prompt_token_ids, request.sampling_params)
+                NewRequestData(request.request_id, request.prompt_token_ids,
+                               request.sampling_params, request.pooling_params,
+                               request.prompt_embeds)
             )
         new_block_ids = list(blocks[request.num_blocks_sent :])
         request.num_blocks_sent = len(blocks)
@@ -187,6 +194,9 @@ class Scheduler:
                 if budget == 0:
                     break
                 n = min(request.num_prompt_tokens - request.num_computed_tokens, budget)
+                if n < request.num_prompt_tokens - request.num_computed_tokens and scheduled \
+                        and not self.config.enable_chunked_prefill:
+                    break  # no chunking: a prompt that does not fit whole waits for a later step
                 scheduled.append(self._schedule(request, n, new_requests))
                 budget -= n
             total = sum(s.num_tokens for s in scheduled)
@@ -250,6 +260,11 @@ class Scheduler:
                 new_prompt_logprobs=output.prompt_logprobs.get(item.req_id),
             )
             results[item.req_id] = out
+            if request.pooling_params is not None and item.sample:
+                # Prefill only: a pooling request ends with its prompt, with its pooled output.
+                out.pooled = output.pooler_output.get(item.req_id)
+                out.finish_status = RequestStatus.FINISHED_STOPPED
+                self.finish_request(item.req_id, RequestStatus.FINISHED_STOPPED)
         for req_id, token in zip(output.req_ids, output.sampled_token_ids, strict=True):
             request = self.requests.get(req_id)
             out = results.get(req_id)

@@ -14,7 +14,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ingot.engine.llm_engine import LLMEngine
-from ingot.engine.outputs import RequestOutput
+from ingot.engine.outputs import PoolingRequestOutput, RequestOutput
 from ingot.metrics.stats import BucketCounter, BucketStats
 
 PREFIX = "ingot:"
@@ -234,6 +234,15 @@ class EngineMetrics:
             self.labels(counter).inc(total - seen)
             self._totals_seen[key] = total
 
+    def _record_pooling(self, out: PoolingRequestOutput, now: float) -> None:
+        """A pooling request reports once, finished: its prompt tokens, success, latency."""
+        if not out.finished:
+            return
+        self.labels(self.prompt_tokens).inc(len(out.prompt_token_ids))
+        self.request_success.labels(model_name=self.model_name, finished_reason="stop").inc()
+        if out.metrics is not None:
+            self.labels(self.e2e).observe(now - out.metrics.arrival_time)
+
     def record_abort(self, engine: LLMEngine, request_id: str, num_seqs: int = 1) -> None:
         """An aborted request: one ``abort`` finish per sequence (as finished requests count one
         per choice), and the gauges at once, since an abort frees blocks without a step."""
@@ -263,12 +272,17 @@ class EngineMetrics:
                 self.executions.labels(model_name=self.model_name, bucket_name=label).inc(runs)
         self._snapshot(stats)
 
-    def record_step(self, engine: LLMEngine, outputs: list[RequestOutput], step_s: float) -> None:
+    def record_step(
+        self, engine: LLMEngine, outputs: list[RequestOutput | PoolingRequestOutput], step_s: float
+    ) -> None:
         now = time.time()
         stats = engine.get_stats()
         self._record_gauges(stats)
         self._record_buckets(stats["buckets"])
         for out in outputs:
+            if isinstance(out, PoolingRequestOutput):
+                self._record_pooling(out, now)
+                continue
             seen = self._seen.setdefault(out.request_id, _Seen())
             metrics = out.metrics
             if not seen.prompt_counted and any(c.token_ids for c in out.outputs):

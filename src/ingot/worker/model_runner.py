@@ -28,6 +28,7 @@ from ingot.core.kv_cache_manager import NULL_BLOCK_ID, cdiv
 from ingot.core.sched_output import SchedulerOutput
 from ingot.engine.sampling_params import SamplingParams
 from ingot.model_executor.layers.attention import AttentionMetadata
+from ingot.model_executor.layers.pooler import Pooler, PoolingSegment
 from ingot.model_executor.layers.sampler import (
     LogprobsTensors,
     Sampler,
@@ -48,10 +49,11 @@ PAD_SLOT_ID = -1
 
 @dataclass
 class CachedRequestState:
-    params: SamplingParams
+    params: SamplingParams | None  # None: a pooling request (the pooler keeps its params)
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    prompt_embeds: torch.Tensor | None = None  # [prompt_len, hidden] (replaces token ids)
     block_ids: list[int] = field(default_factory=list)
 
     def token_ids(self, start: int, n: int) -> list[int]:
@@ -100,6 +102,9 @@ class ModelRunner:
         #: Autograd-free mode of every forward. Precompiled layers switch it to no_grad: their
         #: saved guards expect ordinary tensors (torch restores them without inference mode).
         self.grad_mode: Callable[[], AbstractContextManager[Any]] = torch.inference_mode
+        #: A pooling runner pools instead of computing logits and sampling (layers/pooler.py).
+        pooler_config = config.model_config.pooler_config
+        self.pooler = Pooler(pooler_config.pooling_type, model) if pooler_config else None
         self.async_scheduling = config.scheduler_config.async_scheduling
         # The previous decode step's request order and sampled tokens (async scheduling).
         self._prev_decode: tuple[list[str], torch.Tensor] | None = None
@@ -141,6 +146,8 @@ class ModelRunner:
                 rows = (shape.kind, shape.num_tokens)
                 if rows in seen or (shape.kind == "prefill" and shape.start_position > 0):
                     continue
+                if shape.kind == "decode" and self.pooler is not None:
+                    continue  # a pooling runner never decodes
                 seen.add(rows)
                 ids, positions, meta, _ = self.prepare_inputs(warmup_scheduler_output(shape))
                 self.model(ids, positions, self.kv_caches, meta)
@@ -162,13 +169,24 @@ class ModelRunner:
         ones arrive, scheduled ones gain their new blocks."""
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
+            if self.pooler is not None:
+                self.pooler.remove_request(req_id)
         for new in so.new_requests:
+            if new.pooling_params is not None:
+                assert self.pooler is not None, "a pooling request needs --runner pooling"
+                p = new.pooling_params
+                self.pooler.add_request(new.req_id, p.task or "embed", bool(p.normalize),
+                                        p.dimensions, p.activation is not False)
+                self.requests[new.req_id] = CachedRequestState(None, list(new.prompt_token_ids))
+                continue
+            assert new.sampling_params is not None
             generator = None
             if new.sampling_params.seed is not None:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(new.sampling_params.seed)
             self.requests[new.req_id] = CachedRequestState(
-                new.sampling_params, list(new.prompt_token_ids), generator=generator
+                new.sampling_params, list(new.prompt_token_ids), generator=generator,
+                prompt_embeds=new.prompt_embeds,
             )
         for it in so.scheduled:
             if it.new_block_ids:
@@ -281,8 +299,15 @@ class ModelRunner:
         hidden = None
         if self.decode_graphs is not None and not so.is_prefill:
             hidden = self.decode_graphs.replay(input_ids, positions, meta)
+        embeds = None
+        if so.is_prefill and self.config.model_config.enable_prompt_embeds:
+            embeds = self._prompt_embeds_inputs(so, input_ids.shape[0])
+        if hidden is None and embeds is not None:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, *embeds)
         if hidden is None:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if self.pooler is not None:  # no logits, no sampling
+            return ModelRunnerOutput([], [], pooler_output=self._pool(hidden, so, last_rows))
 
         # Which hidden rows need logits: the last real token of each sampling request, and
         # every real token of a prefill chunk whose request asked for prompt logprobs.
@@ -330,6 +355,41 @@ class ModelRunner:
                     ids, lps, rank = _tensors_to_lists(result.logprobs_tensors, row, k)
                     output.logprobs[req_id] = SampledLogprobs(ids, lps, rank)
         return output
+
+    def _prompt_embeds_inputs(
+        self, so: SchedulerOutput, num_rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(inputs_embeds [rows, H], is_token_ids [rows]) for a prefill step in which some
+        request still has prompt-embeds positions (its slice from its computed tokens on, so
+        a chunked prefill continues where it stopped); None otherwise."""
+        pieces = []
+        row = 0
+        for it in so.scheduled:
+            embeds = self.requests[it.req_id].prompt_embeds
+            if embeds is not None and it.start_position < embeds.shape[0]:
+                n = min(it.num_tokens, embeds.shape[0] - it.start_position)
+                pieces.append((row, embeds[it.start_position : it.start_position + n]))
+            row += it.num_tokens
+        if not pieces:
+            return None
+        hidden = pieces[0][1].shape[1]
+        inputs = torch.zeros(num_rows, hidden, dtype=self.config.model_config.dtype)
+        is_token_ids = torch.ones(num_rows, dtype=torch.bool)
+        for start, piece in pieces:
+            inputs[start : start + piece.shape[0]] = piece
+            is_token_ids[start : start + piece.shape[0]] = False
+        return inputs.to(self.device), is_token_ids.to(self.device)
+
+    def _pool(
+        self, hidden: torch.Tensor, so: SchedulerOutput, last_rows: list[int]
+    ) -> dict[str, list[float]]:
+        assert self.pooler is not None
+        segments = [
+            PoolingSegment(it.req_id, row - it.num_tokens + 1, it.num_tokens, it.start_position,
+                           it.sample)
+            for it, row in zip(so.scheduled, last_rows, strict=True)
+        ]
+        return self.pooler(hidden, segments)
 
     def _prompt_logprobs(
         self,

@@ -282,3 +282,46 @@ def paged_attention(
     result = query.new_zeros(num_tokens, num_heads * head_dim)
     result[:n] = out[meta.token_to_grid]
     return result
+
+
+def encoder_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Bidirectional attention within each request of a prefill step (encoder-only models):
+    every real token attends to every real token of its own request, in both directions, and
+    nothing is cached (a request's whole prompt is in the step; the scheduler never splits it).
+
+    query/key/value [T, H, D] -> [T, H * D] (rows past the actual tokens are zero). Real keys
+    are those with a slot: a lone request's bucket padding carries slot -1 and must not be
+    attended to, or padding would change the real tokens' outputs."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_reqs, max_q = meta.num_reqs, meta.max_query_len
+    n = meta.num_actual_tokens
+    identity = meta.grid_is_identity and num_tokens == num_reqs * max_q
+
+    def to_grid(x: torch.Tensor) -> torch.Tensor:
+        if identity:
+            return x.reshape(num_reqs, max_q, num_heads, head_dim).transpose(1, 2)
+        grid = x.new_zeros(num_reqs * max_q, num_heads, head_dim)
+        grid[meta.token_to_grid] = x[:n]
+        return grid.view(num_reqs, max_q, num_heads, head_dim).transpose(1, 2)
+
+    key_ok = torch.zeros(num_reqs * max_q, dtype=torch.bool, device=query.device)
+    key_ok[meta.token_to_grid] = meta.slot_mapping[:n] >= 0
+    key_ok = key_ok.view(num_reqs, max_q)
+    # A row with no real key (a warm-up dummy) would softmax over nothing and give NaN.
+    key_ok |= ~key_ok.any(dim=-1, keepdim=True)
+    out = F.scaled_dot_product_attention(
+        to_grid(query), to_grid(key), to_grid(value),
+        attn_mask=key_ok[:, None, None, :], scale=scale,
+    )
+    out = out.transpose(1, 2).reshape(num_reqs * max_q, num_heads * head_dim)
+    if identity:
+        return out
+    result = query.new_zeros(num_tokens, num_heads * head_dim)
+    result[:n] = out[meta.token_to_grid]
+    return result

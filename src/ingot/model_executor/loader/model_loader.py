@@ -36,7 +36,7 @@ def iter_checkpoint(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tens
 
 
 def build_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
-    model_cls = resolve_model_class(model_config.hf_config)
+    model_cls = resolve_model_class(model_config.hf_config, model_config.convert)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(model_config.dtype)
     try:
