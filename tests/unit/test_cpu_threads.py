@@ -353,6 +353,18 @@ def test_bad_thread_settings_fail_at_config_time(tiny_llama_dir: Path,
     assert (config.cpu_threads.threads, config.cpu_threads.adaptive) == (1, False)
 
 
+def _set_threads(worker: object, n: int) -> None:
+    import torch
+
+    torch.set_num_threads(n)
+
+
+def _get_threads(worker: object) -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def test_worker_applies_and_logs_the_plan(tiny_llama_dir: Path,
                                           caplog: pytest.LogCaptureFixture) -> None:
     import torch
@@ -367,10 +379,14 @@ def test_worker_applies_and_logs_the_plan(tiny_llama_dir: Path,
         assert "CPU compute threads: 1 (--cpu-threads), unbound;" in caplog.text
         worker = llm.llm_engine.engine_core.executor.worker
         assert worker.cpu_threads.current == 1 and worker.cpu_threads.controller is None
-        torch.set_num_threads(2)  # as if another thread had changed it: the next step on a
-        worker.cpu_threads._thread = None  # new thread re-applies the plan
+        # Model ops run on the worker's compute thread: change its count there, as if a new
+        # thread stepped, and the next step re-applies the plan.
+        engine = llm.llm_engine
+        engine.collective_rpc(_set_threads, (2,))
+        assert engine.collective_rpc(_get_threads) == [2]
+        worker.cpu_threads._thread = None
         llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2))
-        assert torch.get_num_threads() == 1
+        assert engine.collective_rpc(_get_threads) == [1]
     finally:
         torch.set_num_threads(before)
 

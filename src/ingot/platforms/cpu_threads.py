@@ -21,10 +21,10 @@ So the policy is:
   machine is quiet again. Each switch is logged; the count is the
   ``ingot:cpu_compute_threads`` metric. The count never exceeds the start-up plan.
 
-The OpenMP master thread is the engine thread itself (it runs the scheduler, the sampler and
-detokenization between steps, while the other compute threads wait), so no core is kept back
-for the engine loop the way vLLM's separate engine process needs one; see docs/PERFORMANCE.md
-for the measurement behind that default.
+The OpenMP master thread is the worker's compute thread (worker/executor.py, ComputeThread), the
+only thread that runs model ops: the engine thread's scheduling and detokenizing is small next
+to a step, so no core is kept back for the engine loop the way vLLM's separate engine process
+needs one; see docs/PERFORMANCE.md for the measurement behind that default.
 
 ingot's C kernels take ``torch.get_num_threads()`` as their team size and oneDNN reads the
 same OpenMP setting, so ``torch.set_num_threads`` is the one switch for all three.
