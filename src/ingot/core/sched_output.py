@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ingot.engine.sampling_params import SamplingParams
 
 
@@ -37,6 +39,16 @@ class ScheduledRequest:
 
 
 @dataclass
+class GrammarBitmask:
+    """Allowed next tokens of the step's constrained requests: row i of ``bitmask`` (int32,
+    ``[len(req_ids), ceil(vocab / 32)]``, bit ``t % 32`` of word ``t // 32`` set = token t
+    allowed) belongs to ``req_ids[i]``. Requests not listed are unconstrained."""
+
+    req_ids: list[str]
+    bitmask: np.ndarray
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     new_requests: list[NewRequestData] = field(default_factory=list)
@@ -47,6 +59,8 @@ class SchedulerOutput:
     num_padded: int = 0
     # Decode with context buckets: the context bucket the batch reads up to (None otherwise).
     ctx_bucket: int | None = None
+    # Grammar masks for the requests that sample this step under a constraint (None: none do).
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

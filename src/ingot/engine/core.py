@@ -14,13 +14,16 @@ from ingot.core.kv_cache_manager import KVCacheManager
 from ingot.core.outputs import EngineCoreOutput
 from ingot.core.request import Request, RequestStatus
 from ingot.core.scheduler import Scheduler
+from ingot.structured_output.manager import StructuredOutputManager
 from ingot.worker.executor import Executor, RpcMethod
 
 logger = logging.getLogger("ingot")
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Any | None = None) -> None:
+        """``tokenizer``: the HF tokenizer, which grammars compile against (None: no
+        structured outputs)."""
         self.config = config
         self.executor = Executor.get_class(config)(config)
         try:
@@ -34,7 +37,12 @@ class EngineCore:
             config.model_config.max_model_len,
             enable_prefix_caching=config.cache_config.enable_prefix_caching,
         )
-        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, config.buckets)
+        self.structured_output = StructuredOutputManager(
+            tokenizer, config.model_config.vocab_size, config.structured_outputs
+        )
+        self.scheduler = Scheduler(
+            config.scheduler_config, self.kv_cache_manager, config.buckets, self.structured_output
+        )
         logger.info(
             "bucket grid: %s; at most %d requests at once (KV bound); up to %d prompts per "
             "prefill step",
@@ -47,6 +55,9 @@ class EngineCore:
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        """Queue a request; a constraint that does not compile raises ``ValueError`` here."""
+        if request.use_structured_output:
+            self.structured_output.add_request(request)
         self.scheduler.add_request(request)
 
     def finish_requests(self, request_ids: Sequence[str], status: RequestStatus) -> None:
@@ -115,4 +126,5 @@ class EngineCore:
         }
 
     def shutdown(self) -> None:
+        self.structured_output.shutdown()
         self.executor.shutdown()

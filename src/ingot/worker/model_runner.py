@@ -28,6 +28,7 @@ from ingot.model_executor.layers.sampler import (
     SamplingMetadata,
     compute_prompt_logprobs,
 )
+from ingot.structured_output.bitmask import apply_grammar_bitmask
 from ingot.worker.cuda_graphs import CaptureFn, DecodeGraphs
 from ingot.worker.outputs import (
     ModelRunnerOutput,
@@ -266,6 +267,7 @@ class ModelRunner:
             self.vocab_size,
             self.device,
         )
+        apply_grammar_bitmask(logits, sample_reqs, so.grammar_bitmask)
         result = self.sampler(logits, metadata)
         sampled = result.sampled_token_ids.tolist()
         output.sampled_token_ids = sampled
