@@ -14,6 +14,7 @@ from ingot.core.kv_cache_manager import KVCacheManager
 from ingot.core.outputs import EngineCoreOutput
 from ingot.core.request import Request, RequestStatus
 from ingot.core.scheduler import Scheduler
+from ingot.engine.sampling_params import SamplingParams
 from ingot.structured_output.manager import StructuredOutputManager
 from ingot.worker.executor import Executor, RpcMethod
 
@@ -59,6 +60,12 @@ class EngineCore:
         if request.use_structured_output:
             self.structured_output.add_request(request)
         self.scheduler.add_request(request)
+
+    def compile_structured_output(self, params: SamplingParams) -> None:
+        """Compile ``params``' constraint now (then cached): the server calls it before a
+        stream starts, so a bad schema is a 400 rather than an error event."""
+        if params.structured_outputs is not None:
+            self.structured_output.compile(params.structured_outputs)
 
     def finish_requests(self, request_ids: Sequence[str], status: RequestStatus) -> None:
         """Abort (or, for a stop string the front end found, stop) requests; frees blocks."""

@@ -56,6 +56,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hf-overrides", default=None, help="JSON object applied to the HF config")
     g.add_argument("--additional-config", default=None, help="JSON object of ingot options")
     g.add_argument("--served-model-name", default=None)
+    g.add_argument("--structured-outputs-config", default=None,
+                   help='JSON object, e.g. \'{"backend": "xgrammar", "compile_timeout_s": 10}\' '
+                   "(docs/configuration.md)")
     g.add_argument("--distributed-executor-backend", choices=["uni", "mp"], default=None,
                    help="uni: the worker runs in the engine's process (default for one "
                    "worker); mp: in a child process")

@@ -373,6 +373,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: EngineMetrics
         if body.stream:
             # Prepared before the response starts, so a bad request still gets its status.
             prompts, params = serving.prepare_completion(body)
+            await serving.check_constraints(params, "structured_outputs")
             return stream_response(serving.completion_stream(body, prompts, params))
         return JSONResponse(await _until_disconnected(request, serving.completion(body)))
 
@@ -383,6 +384,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: EngineMetrics
         check_running()
         if body.stream:
             prompt, params = serving.prepare_chat(body)
+            await serving.check_constraints([params], body.constraint_field)
             return stream_response(serving.chat_stream(body, prompt, params))
         return JSONResponse(await _until_disconnected(request, serving.chat(body)))
 

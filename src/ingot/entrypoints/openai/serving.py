@@ -213,6 +213,19 @@ class OpenAIServing:
         return PreparedPrompt(text, tokenizer.encode(text, add_special_tokens=False))
 
     # ---- engine --------------------------------------------------------------------------
+    async def check_constraints(self, params_list: list[SamplingParams], param: str) -> None:
+        """Compile the requests' grammars on the engine thread (it owns the compiled-grammar
+        cache) before any response starts, so an invalid one is a 400 naming ``param``."""
+        core = self.engine.engine.engine_core
+        for params in params_list:
+            if params.structured_outputs is None:
+                continue
+            try:
+                await self.engine.call(lambda p=params: core.compile_structured_output(p))
+            except ValueError as exc:
+                raise RequestValueError(str(exc), param) from exc
+            break  # n prompts of one request share one constraint
+
     def _streams(
         self, prompts: list[PreparedPrompt], params_list: list[SamplingParams], prefix: str
     ) -> list[AsyncIterator[RequestOutput]]:
@@ -273,6 +286,7 @@ class OpenAIServing:
 
     async def completion(self, request: CompletionRequest) -> dict[str, Any]:
         prompts, params_list = self.prepare_completion(request)
+        await self.check_constraints(params_list, "structured_outputs")
         request_id = random_id("cmpl")
         finals: dict[int, RequestOutput] = {}
         async with aclosing(merge(self._streams(prompts, params_list, request_id))) as outs:
@@ -389,6 +403,7 @@ class OpenAIServing:
 
     async def chat(self, request: ChatCompletionRequest) -> dict[str, Any]:
         prompt, params = self.prepare_chat(request)
+        await self.check_constraints([params], request.constraint_field)
         request_id = random_id("chatcmpl")
         final = None
         async with aclosing(merge(self._streams([prompt], [params], request_id))) as outs:
