@@ -15,7 +15,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -40,7 +40,7 @@ from ingot.entrypoints.openai.protocol import (
     message_dicts,
     now,
 )
-from ingot.entrypoints.openai.serving import OpenAIServing, sse
+from ingot.entrypoints.openai.serving import ChatOptions, OpenAIServing, sse
 from ingot.errors import PromptTooLongError
 from ingot.metrics.prometheus import EngineMetrics
 from ingot.version import __version__
@@ -105,6 +105,8 @@ class ServerSettings:
     api_key_protect_metrics: bool = False
     access_log: bool = True  # one line per request (off: --disable-uvicorn-access-log)
     log_requests: bool = False  # each generation request's parameters (--enable-log-requests)
+    # Chat: --chat-template (the text), tools and reasoning parsers (resolved by cli.py).
+    chat_options: ChatOptions = field(default_factory=ChatOptions)
 
     def needs_key(self, path: str) -> bool:
         if not self.api_key or path in OPEN_PATHS:
@@ -296,7 +298,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: EngineMetrics
     app.add_middleware(GuardMiddleware, settings=settings)
     if settings.access_log:
         app.add_middleware(AccessLogMiddleware)  # added last: outermost, sees 401s and 413s
-    serving = OpenAIServing(engine, settings.served_model_name, settings.log_requests)
+    serving = OpenAIServing(engine, settings.served_model_name, settings.log_requests,
+                            settings.chat_options)
     model_config = engine.engine.model_config
 
     @app.exception_handler(HTTPError)

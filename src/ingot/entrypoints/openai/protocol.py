@@ -11,6 +11,7 @@ those are bounded here, so no request can take the engine down.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -180,20 +181,26 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def to_sampling_params(self, max_model_len: int, prompt_len: int) -> SamplingParams:
+    def to_sampling_params(
+        self, max_model_len: int, prompt_len: int,
+        tool_constraint: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
+        """``tool_constraint``: the schema a required or named tool_choice imposes."""
         self._check_common()
-        if self.tools:
-            raise RequestValueError("tools are not supported yet; remove them", "tools")
-        if self.tool_choice not in (None, "none"):
-            raise RequestValueError(
-                "tool_choice is not supported yet; remove it or send \"none\"", "tool_choice"
-            )
         constraint = self._response_format()
         if constraint is not None and self.structured_outputs is not None:
             raise RequestValueError(
                 "response_format and structured_outputs both constrain the output; send one",
                 "response_format",
             )
+        if tool_constraint is not None:
+            if constraint is not None or self.structured_outputs is not None:
+                raise RequestValueError(
+                    "a required or named tool_choice constrains the output itself; drop "
+                    "response_format / structured_outputs or use tool_choice auto",
+                    "tool_choice",
+                )
+            constraint = tool_constraint
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise RequestValueError("top_logprobs needs logprobs: true", "top_logprobs")
@@ -235,7 +242,11 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def constraint_field(self) -> str:
         """The field a compile error is about."""
-        return "structured_outputs" if self.structured_outputs is not None else "response_format"
+        if self.structured_outputs is not None:
+            return "structured_outputs"
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            return "response_format"
+        return "tools"  # a required / named tool_choice's schema
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -280,6 +291,15 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                     )
                 texts.append(part["text"])
             d["content"] = "".join(texts)
+        for call in d.get("tool_calls") or []:
+            # Templates render arguments as JSON objects (as vLLM hands them over); OpenAI
+            # sends them as JSON text.
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                try:
+                    function["arguments"] = json.loads(function["arguments"])
+                except ValueError:
+                    pass
         out.append(d)
     return out
 
