@@ -231,13 +231,16 @@ class OpenAIServing:
         tokenizer = self._need_tokenizer("messages")
         template = request.chat_template or self.chat_options.chat_template
         kwargs = request.template_kwargs()
+        messages = request.message_dicts()
         if tools is not None and tools.render_tools:
             kwargs["tools"] = tools.tools
-            if template is None:
-                template = self._tools_template(tokenizer)
+        # Tool calls and results in the conversation need a template that renders them too.
+        if template is None and ("tools" in kwargs or any(
+                m.get("tool_calls") or m["role"] == "tool" for m in messages)):
+            template = self._tools_template(tokenizer)
         text = apply_chat_template(
             tokenizer,
-            request.message_dicts(),
+            messages,
             add_generation_prompt=request.add_generation_prompt,
             chat_template=template,
             **kwargs,
