@@ -11,6 +11,7 @@ import time
 from typing import Literal
 
 import pytest
+import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 import ingot.worker.model_runner as model_runner
@@ -211,3 +212,43 @@ def test_mp_executor_carries_the_mask(tiny_llama_dir, llm):
         mp.llm_engine.shutdown()
     want = [o.text for o in _run(llm, constraint, seeds=range(4))]
     assert got == want and all(valid(t) for t in got)
+
+
+def test_constraint_starts_after_the_reasoning_end(tiny_llama_dir):
+    """With reasoning_end_token_ids the grammar leaves tokens free until the output contains
+    that sequence, then constrains the rest; without it, the very first token is masked."""
+    from transformers import AutoTokenizer
+
+    from ingot.config import StructuredOutputsConfig
+    from ingot.core.request import Request
+    from ingot.core.sched_output import ScheduledRequest
+    from ingot.structured_output.bitmask import unpack_bitmask
+    from ingot.structured_output.manager import StructuredOutputManager, TokenVerdict
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    manager = StructuredOutputManager(tok, 259, StructuredOutputsConfig())
+    end = tok.encode("</think>", add_special_tokens=False)
+    yes_no = {tok.encode(w, add_special_tokens=False)[0] for w in ("yes", "no")}
+
+    def add(rid, **extra):
+        params = SamplingParams(structured_outputs={"choice": ["yes", "no"], **extra})
+        params.all_stop_token_ids = {2}
+        manager.add_request(Request(rid, PROMPT, params))
+        return ScheduledRequest(rid, [5], 0, [1], sample=True)
+
+    def allowed(sched):
+        mask = manager.grammar_bitmask([sched])
+        if mask is None:
+            return None
+        return set(unpack_bitmask(torch.from_numpy(mask.bitmask), 259)[0].nonzero().flatten().tolist())
+
+    plain = add("plain")
+    assert allowed(plain) == yes_no  # broken variant: no reasoning phase, masked at once
+    thinking = add("thinking", reasoning_end_token_ids=end)
+    assert allowed(thinking) is None
+    for t in tok.encode("hmm </think", add_special_tokens=False):
+        assert manager.accept_token("thinking", t) is TokenVerdict.ACCEPTED  # free text
+        assert allowed(thinking) is None
+    assert manager.accept_token("thinking", end[-1]) is TokenVerdict.ACCEPTED
+    assert allowed(thinking) == yes_no
+    assert manager.accept_token("thinking", 100) is TokenVerdict.REJECTED  # now constrained

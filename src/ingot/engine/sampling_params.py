@@ -48,6 +48,9 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
+    #: Set by the server's --reasoning-parser: the constraint starts once the output contains
+    #: this token sequence (the end of the reasoning, "</think>"); before it, tokens are free.
+    reasoning_end_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.json, type) and hasattr(self.json, "model_json_schema"):
@@ -83,6 +86,13 @@ class StructuredOutputsParams:
             raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
         if self.choice is not None:
             self.choice = list(self.choice)
+        ends = self.reasoning_end_token_ids
+        if ends is not None and (
+            not isinstance(ends, list | tuple) or not ends
+            or not all(isinstance(t, int) and t >= 0 for t in ends)
+        ):
+            raise ValueError("structured_outputs.reasoning_end_token_ids must be a non-empty "
+                             "list of token ids")
         if self.whitespace_pattern is not None:
             raise ValueError(
                 "structured_outputs.whitespace_pattern is not supported by the xgrammar backend; "

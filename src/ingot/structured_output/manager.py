@@ -53,6 +53,9 @@ class StructuredOutputManager:
         self._compiler: Any = None
         self._cache: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
         self._matchers: dict[str, Any] = {}
+        # Requests still reasoning: the end marker, and the output tokens seen so far (a tail
+        # as long as the marker). Their tokens are free until the marker completes.
+        self._reasoning: dict[str, tuple[list[int], list[int]]] = {}
         # Compiles run on a small pool so a slow one can be timed out (its thread finishes in
         # the background; the request has already failed).
         self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="ingot-grammar")
@@ -159,13 +162,19 @@ class StructuredOutputManager:
             override_stop_tokens=stops or None,
             terminate_without_stop_token=not stops,
         )
+        if params.reasoning_end_token_ids:
+            self._reasoning[request.request_id] = (list(params.reasoning_end_token_ids), [])
 
     def remove_request(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
+        self._reasoning.pop(request_id, None)
 
     def grammar_bitmask(self, scheduled: list[ScheduledRequest]) -> GrammarBitmask | None:
         """Masks for the scheduled requests that sample this step under a constraint."""
-        rows = [s.req_id for s in scheduled if s.sample and s.req_id in self._matchers]
+        rows = [
+            s.req_id for s in scheduled
+            if s.sample and s.req_id in self._matchers and s.req_id not in self._reasoning
+        ]
         if not rows:
             return None
         import xgrammar as xgr
@@ -178,6 +187,14 @@ class StructuredOutputManager:
     def accept_token(self, request_id: str, token: int) -> TokenVerdict:
         matcher = self._matchers.get(request_id)
         if matcher is None:
+            return TokenVerdict.ACCEPTED
+        reasoning = self._reasoning.get(request_id)
+        if reasoning is not None:
+            marker, tail = reasoning
+            tail.append(token)
+            del tail[: -len(marker)]
+            if tail == marker:  # the constraint applies from the next token on
+                del self._reasoning[request_id]
             return TokenVerdict.ACCEPTED
         if not matcher.accept_token(token):
             logger.warning("request %s: the grammar rejected token %d", request_id, token)

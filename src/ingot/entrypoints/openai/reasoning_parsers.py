@@ -8,6 +8,9 @@ to the whole response's ``message.reasoning`` / ``message.content``.
   reasoning, all of it if the tag never comes.
 - ``qwen3``: reasoning only when the response opens with ``<think>`` (thinking can be off);
   then as above.
+
+A constraint (structured outputs, a required or named tool choice) applies to the content: the
+server hands the engine the token ids of ``</think>`` and the grammar starts after them.
 """
 
 from __future__ import annotations
@@ -20,6 +23,12 @@ START, END = "<think>", "</think>"
 class ReasoningParser:
     name = "base"
     starts_in_reasoning = True
+
+    @staticmethod
+    def response_reasons(prompt: str) -> bool:
+        """Whether a response to ``prompt`` starts with reasoning: not when the template
+        already closed the think block (Qwen3 with enable_thinking false)."""
+        return not prompt.rstrip().endswith(END)
 
     def parse(self, text: str, final: bool) -> tuple[str, str]:
         """(reasoning, content) of the text so far."""

@@ -25,6 +25,7 @@ from ingot.entrypoints.openai.protocol import (
     now,
     random_id,
 )
+from ingot.entrypoints.openai.reasoning_parsers import END as REASONING_END
 from ingot.entrypoints.openai.reasoning_parsers import ReasoningParser
 from ingot.entrypoints.openai.tool_parsers.base import ToolParser
 from ingot.entrypoints.openai.tools import ToolRequest, parse_tool_request
@@ -442,6 +443,13 @@ class OpenAIServing:
         check_prompt_fits(len(prompt.token_ids), None, self.max_model_len, prompt_field="messages")
         params = request.to_sampling_params(self.max_model_len, len(prompt.token_ids),
                                             tools.constraint())
+        reasoning = self.chat_options.reasoning_parser
+        constraint = params.structured_outputs
+        if (reasoning is not None and constraint is not None and prompt.text is not None
+                and reasoning.response_reasons(prompt.text)):
+            # The grammar constrains the answer, not the thinking before it.
+            constraint.reasoning_end_token_ids = self.tokenizer.encode(
+                REASONING_END, add_special_tokens=False)
         check_prompt_fits(len(prompt.token_ids), params.max_tokens, self.max_model_len,
                           request.max_tokens_field, "messages")
         return prompt, params
