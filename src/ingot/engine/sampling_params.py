@@ -113,10 +113,11 @@ class StructuredOutputsParams:
 
     @property
     def spec(self) -> str:
-        """The constraint as text (part of the compiled-grammar cache key)."""
+        """The constraint as text: what compiles, and part of the compiled-grammar cache key.
+        A schema keeps its key order (properties are generated in that order)."""
         value = getattr(self, self.kind)
         if self.kind == "json" and not isinstance(value, str):
-            return _json.dumps(value, sort_keys=True)
+            return _json.dumps(value)
         if self.kind == "choice":
             return _json.dumps(value)
         return "" if self.kind == "json_object" else str(value)
