@@ -22,7 +22,7 @@ class City(BaseModel):
     name: str = Field(max_length=20)
     country: Literal["France", "Italy", "Spain", "Other"]
     population_millions: int = Field(ge=0, le=100)
-    landmarks: list[str] = Field(max_length=2)
+    landmarks: list[Annotated[str, Field(max_length=24)]] = Field(max_length=2)
 
 
 MESSAGES = [{"role": "user", "content": "Describe Paris as JSON."}]
@@ -105,7 +105,7 @@ def test_every_seed_satisfies_the_constraint(client, model, constraint, check, a
 def test_parse_returns_a_pydantic_object(client, model):
     completion = client.chat.completions.parse(
         model=model, messages=MESSAGES, response_format=City, temperature=1.0, seed=0, n=3,
-        max_tokens=200,
+        max_tokens=300,
     )
     for choice in completion.choices:
         assert choice.finish_reason == "stop"
@@ -115,7 +115,7 @@ def test_parse_returns_a_pydantic_object(client, model):
 def test_beta_stream_with_a_schema(client, model):
     with client.beta.chat.completions.stream(
         model=model, messages=MESSAGES, response_format=City, temperature=1.0, seed=7,
-        max_tokens=200,
+        max_tokens=300,
     ) as stream:
         deltas = [e.delta for e in stream if e.type == "content.delta"]
         final = stream.get_final_completion()
@@ -126,7 +126,7 @@ def test_beta_stream_with_a_schema(client, model):
 def test_json_object_and_structured_outputs_fields(client, model):
     resp = client.chat.completions.create(
         model=model, messages=MESSAGES, response_format={"type": "json_object"},
-        temperature=1.0, seed=3, max_tokens=200,
+        temperature=1.0, seed=3, max_tokens=300,
     )
 
     assert isinstance(json.loads(resp.choices[0].message.content), dict)
