@@ -49,6 +49,12 @@ def test_pydantic_model_and_dicts():
     assert spec.index('"b"') < spec.index('"a"')
 
 
+def test_min_tokens_is_refused_with_a_constraint():
+    with pytest.raises(ValueError, match="min_tokens cannot be combined"):
+        SamplingParams(min_tokens=2, structured_outputs={"regex": "a+"})
+    assert SamplingParams(min_tokens=2).min_tokens == 2
+
+
 def test_structured_outputs_config():
     assert StructuredOutputsConfig.from_dict({}).backend == "xgrammar"
     assert StructuredOutputsConfig.from_dict({"backend": "auto"}).backend == "xgrammar"

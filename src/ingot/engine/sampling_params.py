@@ -212,6 +212,10 @@ class SamplingParams:
         ):
             raise bad("structured_outputs", self.structured_outputs,
                       "a StructuredOutputsParams, a dict of its fields, or None")
+        if self.structured_outputs is not None and self.min_tokens > 0:
+            # min_tokens masks EOS, the grammar may allow nothing else: no token would be left.
+            raise ValueError("min_tokens cannot be combined with structured_outputs: the "
+                             "grammar decides where the output ends; drop min_tokens")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True; use stop_token_ids instead.")
 

@@ -422,7 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="log each generation request's prompt length and sampling parameters")
     srv.add_argument("--disable-log-requests", action="store_true",
                      help="do not log requests' parameters (the default; vLLM's older flag)")
-    tools = srv.add_argument_group("chat: templates, tools, reasoning (docs/features.md)")
+    tools = srv.add_argument_group("chat: templates, tools, reasoning (docs/serving.md)")
     tools.add_argument("--chat-template", default=None, metavar="FILE",
                        help="Jinja chat template file used instead of the model's")
     tools.add_argument("--enable-auto-tool-choice", action="store_true",
