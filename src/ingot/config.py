@@ -58,9 +58,31 @@ KNOWN_ADDITIONAL_CONFIG = {
 # Prompts packed into one prefill step by default (eager layers). Chosen by measurement on the
 # project's CPU (docs/PERFORMANCE.md, "Packed prefill"); 1 is the original design's rule.
 DEFAULT_MAX_PREFILLS_PER_STEP = 8
+# Async scheduling when neither --async-scheduling nor --no-async-scheduling is given
+# (docs/features.md has the measurement behind the choice).
+DEFAULT_ASYNC_SCHEDULING = False
 EXECUTOR_BACKENDS = ("uni", "mp")
 # "auto" stores KV in the model dtype; fp8 / fp8_e4m3 store float8_e4m3fn with per-layer scales.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# --runner: "auto" takes the architecture's (a BertModel pools, a causal LM generates).
+RUNNERS = ("auto", "generate", "pooling")
+# --convert: what a pooling runner makes of a model; "auto" is the architecture's own task
+# (a causal LM becomes an embedder), "none" refuses any conversion.
+CONVERTS = ("auto", "none", "embed", "classify")
+POOLING_TYPES = ("MEAN", "CLS", "LAST")
+POOLER_CONFIG_KEYS = {"pooling_type", "normalize"}
+# The default embedder's directory inside its package is plainly "model": serve it by name.
+DEFAULT_EMBEDDER_NAME = "all-MiniLM-L6-v2"
+
+
+@dataclass
+class PoolerConfig:
+    """How a pooling model turns hidden states into its output (--pooler-config, defaulted
+    from the architecture and sentence-transformers' modules.json / 1_Pooling/config.json)."""
+
+    task: str  # the model's output: "embed" (a vector) or "classify" (label scores)
+    pooling_type: str  # "MEAN" | "CLS" | "LAST"
+    normalize: bool  # embeddings are L2-normalised unless a request says otherwise
 
 
 @dataclass
@@ -76,6 +98,21 @@ class ModelConfig:
     hf_overrides: dict[str, Any]
     served_model_name: str
     generation_config: dict[str, Any] = field(default_factory=dict)
+    runner: str = "generate"  # "generate" | "pooling"
+    convert: str = "none"  # "none" | "embed" | "classify" (what --convert made of the model)
+    pooler_config: PoolerConfig | None = None  # set iff runner == "pooling"
+    #: Bidirectional attention (BERT): a prompt runs whole in one step, nothing is cached.
+    is_encoder_only: bool = False
+    #: Prompts may be given as [seq_len, hidden] tensors (engine/prompt_embeds.py).
+    enable_prompt_embeds: bool = False
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.hf_config.hidden_size)
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.runner == "pooling"
 
     @property
     def vocab_size(self) -> int:
@@ -107,6 +144,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool
     #: Prompts (or their segments) packed into one prefill step; 1 = one prefill per step.
     max_num_prefills_per_step: int = 1
+    #: Schedule step N+1 while step N runs (a batch queue of depth 2).
+    async_scheduling: bool = False
 
 
 @dataclass
@@ -196,8 +235,13 @@ class EngineConfig:
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
 
-def resolve_model_path(model: str | None) -> tuple[str, str]:
-    """(local path, format). No downloads: a path that does not exist is an error."""
+def resolve_model_path(model: str | None, default_embedder: bool = False) -> tuple[str, str]:
+    """(local path, format). No downloads: a path that does not exist is an error. No model:
+    the default chat model, or with ``default_embedder`` the default embedding model."""
+    if model is None and default_embedder:
+        from ingot.model_executor.loader.packaged_models import default_embedder_path
+
+        return default_embedder_path(), "hf"
     if model is None:
         from ingot.model_executor.loader.gguf_loader import default_model_path
 
@@ -283,11 +327,19 @@ class EngineArgs:
     cache_dir: str | None = None  # compile cache root (default $INGOT_CACHE_ROOT, ~/.cache/ingot)
     # vLLM's names. None: "uni" for one worker.
     distributed_executor_backend: str | None = None
+    # None = DEFAULT_ASYNC_SCHEDULING; True/False force it.
+    async_scheduling: bool | None = None
     # CPU compute threads: None = from the affinity mask, cgroup quota and OMP_NUM_THREADS /
     # VLLM_CPU_OMP_THREADS_BIND (platforms/cpu_threads.py); adaptive: fewer while contended.
     cpu_threads: int | None = None
     cpu_threads_bind: str | None = None
     cpu_adaptive_threads: bool = True
+    # Pooling (vLLM's names): --runner, --convert, --pooler-config JSON.
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: dict[str, Any] | str | None = None
+    # vLLM's flag: accept prompt_embeds tensors (off: a request with embeds is an error).
+    enable_prompt_embeds: bool = False
     # vLLM's --structured-outputs-config (JSON): {"backend": "xgrammar", ...}.
     structured_outputs_config: dict[str, Any] | str | None = None
 
@@ -308,19 +360,34 @@ class EngineArgs:
         from ingot.platforms import resolve_platform
 
         platform = resolve_platform(self.device)
-        path, fmt = resolve_model_path(self.model)
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner {self.runner!r} is not supported; use {', '.join(RUNNERS)}")
+        if self.convert not in CONVERTS:
+            raise ValueError(f"convert {self.convert!r} is not supported; use {', '.join(CONVERTS)}")
+        # No model: the default embedder for a pooling runner, unless a conversion asks for
+        # the default chat model to be turned into one.
+        default_embedder = self.model is None and self.runner == "pooling" and \
+            self.convert in ("auto", "none")
+        path, fmt = resolve_model_path(self.model, default_embedder)
         hf_config, generation_config = _load_hf_config(path, fmt)
         hf_overrides = self._json_arg("hf_overrides", self.hf_overrides)
         apply_hf_overrides(hf_config, hf_overrides)
         from ingot.model_executor.models.registry import resolve_model_class
 
-        resolve_model_class(hf_config)  # fail early with the supported list
+        model_cls = resolve_model_class(hf_config)  # fail early with the supported list
+        runner, convert, pooler = self._pooling(model_cls, path, hf_config)
+        encoder_only = bool(getattr(model_cls, "is_encoder_only", False))
 
         dtype = parse_dtype(self.dtype) or _auto_dtype(hf_config, fmt, platform)
         platform.check_dtype(dtype)
 
         derived_max = int(getattr(hf_config, "max_position_embeddings", 2048))
-        max_model_len = self.max_model_len if self.max_model_len is not None else derived_max
+        max_model_len = self.max_model_len
+        if max_model_len is None:
+            max_model_len = derived_max
+            st_len = _st_config(path).max_seq_length if runner == "pooling" else None
+            if st_len is not None:  # sentence-transformers truncates there: embed as it does
+                max_model_len = min(max_model_len, st_len)
         _positive("max_model_len", max_model_len)
         if max_model_len > derived_max:
             raise ValueError(
@@ -331,11 +398,16 @@ class EngineArgs:
         _positive("block_size", self.block_size)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        chunked = self.enable_chunked_prefill
+        if encoder_only and chunked:
+            # Bidirectional attention needs the whole prompt in one step (as in vLLM).
+            logger.info("%s is encoder-only: chunked prefill is off", model_cls.__name__)
+            chunked = False
         max_batched = self.max_num_batched_tokens
         if max_batched is None:
-            max_batched = 2048 if self.enable_chunked_prefill else max(max_model_len, 2048)
+            max_batched = 2048 if chunked else max(max_model_len, 2048)
         _positive("max_num_batched_tokens", max_batched)
-        if not self.enable_chunked_prefill and max_batched < max_model_len:
+        if not chunked and max_batched < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({max_batched}) is smaller than max_model_len "
                 f"({max_model_len}) with chunked prefill off: a long prompt could never run; "
@@ -361,6 +433,14 @@ class EngineArgs:
                 f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; accepted: "
                 f"{', '.join(KV_CACHE_DTYPES)}"
             )
+        if runner == "pooling" and self.kv_cache_dtype != "auto":
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported with --runner pooling "
+                "(embeddings would carry the quantisation error); use auto"
+            )
+        # Pooling reads every prompt token's hidden state (mean pooling, the classifier's
+        # [CLS]): a cached prefix would skip them. Off, whatever the default said.
+        prefix_caching = bool(self.enable_prefix_caching) and runner != "pooling"
 
         additional_config = self._json_arg("additional_config", self.additional_config)
         unknown = set(additional_config) - KNOWN_ADDITIONAL_CONFIG
@@ -375,7 +455,9 @@ class EngineArgs:
         buckets = BucketGrid.from_config(
             additional_config, max_batched, self.max_num_seqs, max_model_len, self.block_size
         )
-        compilation = self._compilation_config(platform.name, buckets)
+        if self.enable_prompt_embeds and runner == "pooling":
+            raise ValueError("enable_prompt_embeds is for generation; drop it with --runner pooling")
+        compilation = self._compilation_config(platform.name, buckets, runner, encoder_only)
         prefills = self._max_prefills(additional_config, compilation)
         backend = self.distributed_executor_backend or "uni"
         if backend not in EXECUTOR_BACKENDS:
@@ -402,8 +484,15 @@ class EngineArgs:
             skip_tokenizer_init=self.skip_tokenizer_init,
             seed=self.seed,
             hf_overrides=hf_overrides,
-            served_model_name=self.served_model_name or _default_served_name(path),
+            served_model_name=self.served_model_name or (
+                DEFAULT_EMBEDDER_NAME if default_embedder else _default_served_name(path)
+            ),
             generation_config=generation_config,
+            runner=runner,
+            convert=convert,
+            pooler_config=pooler,
+            is_encoder_only=encoder_only,
+            enable_prompt_embeds=bool(self.enable_prompt_embeds),
         )
         return EngineConfig(
             model_config=model_config,
@@ -413,14 +502,15 @@ class EngineArgs:
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 kv_cache_dtype=self.kv_cache_dtype,
                 gpu_memory_utilization=float(self.gpu_memory_utilization),
-                enable_prefix_caching=bool(self.enable_prefix_caching),
+                enable_prefix_caching=prefix_caching,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=max_batched,
                 max_model_len=max_model_len,
-                enable_chunked_prefill=self.enable_chunked_prefill,
+                enable_chunked_prefill=chunked,
                 max_num_prefills_per_step=prefills,
+                async_scheduling=self._async_scheduling(runner),
             ),
             parallel_config=ParallelConfig(distributed_executor_backend=backend),
             device=platform.name,
@@ -430,6 +520,17 @@ class EngineArgs:
             cpu_threads=cpu_threads,
             structured_outputs=structured_outputs,
         )
+
+    def _async_scheduling(self, runner: str) -> bool:
+        """A pooling runner schedules synchronously: its requests end with their prompt, and
+        the step after their last segment must not see them (integration-b §4)."""
+        if runner == "pooling":
+            if self.async_scheduling:
+                raise ValueError("async_scheduling is not supported with --runner pooling; drop it")
+            return False
+        if self.async_scheduling is None:
+            return DEFAULT_ASYNC_SCHEDULING
+        return bool(self.async_scheduling)
 
     @staticmethod
     def _max_prefills(additional_config: dict[str, Any], compilation: CompilationConfig) -> int:
@@ -446,12 +547,26 @@ class EngineArgs:
             )
         return value
 
-    def _compilation_config(self, platform_name: str, buckets: BucketGrid) -> CompilationConfig:
+    def _compilation_config(
+        self, platform_name: str, buckets: BucketGrid, runner: str = "generate",
+        encoder_only: bool = False,
+    ) -> CompilationConfig:
         if self.compile is not None and not isinstance(self.compile, bool):
             raise ValueError(f"compile must be true, false or None, got {self.compile!r}")
         if self.enforce_eager and self.compile:
             raise ValueError("enforce_eager and compile=True contradict each other; drop one")
-        enabled = not self.enforce_eager and (
+        if encoder_only and self.compile:
+            raise ValueError(
+                "compile=True is not supported for encoder-only models (BERT runs eagerly); "
+                "drop --compile"
+            )
+        if self.enable_prompt_embeds and self.compile:
+            raise ValueError(
+                "compile=True is not supported with enable_prompt_embeds yet (the embeds run "
+                "eagerly); drop one"
+            )
+        eager_only = encoder_only or bool(self.enable_prompt_embeds)
+        enabled = not self.enforce_eager and not eager_only and (
             self.compile if self.compile is not None else platform_name == "cuda"
         )
         if enabled and not buckets.enabled:
@@ -467,8 +582,67 @@ class EngineArgs:
             enable_fx_passes=bool(self.enable_fx_passes),
             cache_root=self.cache_dir,
             # As vLLM: graphs unless --enforce-eager, whether or not the layers are compiled.
-            cuda_graphs=platform_name == "cuda" and not self.enforce_eager and buckets.enabled,
+            # Decode graphs only: a pooling runner never decodes.
+            cuda_graphs=platform_name == "cuda" and not self.enforce_eager and buckets.enabled
+            and runner != "pooling",
         )
+
+    def _pooling(
+        self, model_cls: type, path: str, hf_config: Any
+    ) -> tuple[str, str, PoolerConfig | None]:
+        """(runner, convert, pooler config) from the flags and the architecture."""
+        native = getattr(model_cls, "pooling_task", None)  # "embed" | "classify" | None
+        arch = model_cls.__name__
+        runner = self.runner if self.runner != "auto" else ("pooling" if native else "generate")
+        if runner == "generate":
+            if native:
+                raise ValueError(
+                    f"{arch} is a pooling model (it returns {'embeddings' if native == 'embed' else 'label scores'}, "
+                    "it cannot generate text); pass --runner pooling"
+                )
+            if self.convert not in ("auto", "none") or self.pooler_config is not None:
+                raise ValueError("--convert and --pooler-config need --runner pooling")
+            return runner, "none", None
+        if native:
+            if self.convert not in ("auto", "none", native):
+                raise ValueError(
+                    f"{arch} is a{'n embedding' if native == 'embed' else ' classification'} model; "
+                    f"--convert {self.convert} is not supported for it (use --convert auto)"
+                )
+            task, convert = native, "none"
+        else:
+            if self.convert == "none":
+                raise ValueError(
+                    f"{arch} generates text; with --runner pooling it needs --convert embed "
+                    "(or auto)"
+                )
+            convert = "embed" if self.convert == "auto" else self.convert
+            task = convert
+        st = _st_config(path)
+        default_type = st.pooling_type or (
+            getattr(model_cls, "default_pooling_type", None) if native else "LAST"
+        )
+        default_normalize = task == "embed" and (st.normalize if st.normalize is not None else True)
+        overrides = self._json_arg("pooler_config", self.pooler_config)
+        unknown = set(overrides) - POOLER_CONFIG_KEYS
+        if unknown:
+            raise ValueError(
+                f"unknown pooler_config key(s): {', '.join(sorted(unknown))}; known: "
+                f"{', '.join(sorted(POOLER_CONFIG_KEYS))}"
+            )
+        pooling_type = overrides.get("pooling_type", default_type)
+        if isinstance(pooling_type, str):
+            pooling_type = pooling_type.upper()
+        if pooling_type not in POOLING_TYPES:
+            where = "pooler_config" if "pooling_type" in overrides else f"{path} (1_Pooling/config.json)"
+            raise ValueError(
+                f"pooling_type {pooling_type!r} from {where} is not supported; use one of "
+                f"{', '.join(POOLING_TYPES)} (--pooler-config '{{\"pooling_type\": \"MEAN\"}}')"
+            )
+        normalize = overrides.get("normalize", default_normalize)
+        if not isinstance(normalize, bool):
+            raise ValueError(f"pooler_config normalize must be true or false, got {normalize!r}")
+        return runner, convert, PoolerConfig(task, pooling_type, normalize)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -489,6 +663,12 @@ def apply_hf_overrides(hf_config: Any, overrides: dict[str, Any]) -> None:
                 rope["rope_theta"] = value
             elif key == "rope_scaling" and isinstance(value, dict):
                 rope.update(value)
+
+
+def _st_config(path: str) -> Any:
+    from ingot.model_executor.loader.st_config import SentenceTransformersConfig, read_st_config
+
+    return read_st_config(path) or SentenceTransformersConfig()
 
 
 def _positive(name: str, value: Any) -> None:

@@ -308,3 +308,18 @@ def test_prompt_logprobs_in_whole_responses(client, model, llm):
     chat = client.chat.completions.create(model=model, messages=probe, max_tokens=2,
                                           extra_body={"prompt_logprobs": 0})
     assert len(chat.model_extra["prompt_logprobs"]) == chat.usage.prompt_tokens
+
+
+def test_pooling_routes_need_a_pooling_model(server):
+    """A generative model answers the pooling routes with a 400 that names --runner pooling."""
+    for path, body in [("/v1/embeddings", {"input": "hi"}), ("/pooling", {"input": "hi"}),
+                       ("/classify", {"input": "hi"}), ("/score", {"text_1": "a", "text_2": "b"}),
+                       ("/v1/rerank", {"query": "a", "documents": ["b"]})]:
+        status, err = server.json("POST", path, body)
+        assert status == 400, (path, err)
+        assert "--runner pooling" in err["error"]["message"]
+
+
+def test_prompt_embeds_need_the_flag(server):
+    status, err = server.json("POST", "/v1/completions", {"prompt_embeds": "AAAA", "max_tokens": 2})
+    assert status == 400 and "--enable-prompt-embeds" in err["error"]["message"]

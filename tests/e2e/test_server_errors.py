@@ -37,14 +37,17 @@ def model_dir(tiny_llama_dir, tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module", params=["uni", "mp"])
+@pytest.fixture(scope="module", params=["uni", "mp", "uni+async"])
 def server(model_dir, tmp_path_factory, request):
-    """Every error path, with the worker in the server's process and in a child process."""
+    """Every error path, with the worker in the server's process and in a child process, and
+    with async scheduling (the worker on its own thread, two steps in flight)."""
+    backend, _, mode = request.param.partition("+")
     traces = tmp_path_factory.mktemp("traces")
     args = [str(model_dir), *TINY_FLAGS, "--api-key", KEY,
             "--max-request-body-bytes", str(LIMIT), "--served-model-name", "tiny",
             "--additional-config", json.dumps({"profiler": {"output_dir": str(traces)}}),
-            "--distributed-executor-backend", request.param]
+            "--distributed-executor-backend", backend,
+            "--async-scheduling" if mode == "async" else "--no-async-scheduling"]
     with run_server(args, tmp_path_factory.mktemp("logs")) as s:
         yield s
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ingot import LLM, SamplingParams
-from ingot.core.sched_output import ScheduledRequest, SchedulerOutput
+from ingot.core.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
 from ingot.worker.model_runner import slot_mapping
 
 
@@ -32,8 +32,9 @@ def test_slot_numbers_from_the_spec():
 
 def test_prefill_of_100_tokens_pads_to_128_with_slot_minus_one(tiny_llama_dir):
     llm = _llm(tiny_llama_dir, block_size=64)
-    item = ScheduledRequest("x", list(range(3, 103)), 0, [10, 15], True)
-    so = SchedulerOutput([item], is_prefill=True, num_padded=128)
+    item = ScheduledRequest("x", 100, 0, [10, 15], True)
+    new = NewRequestData("x", list(range(3, 103)), SamplingParams())
+    so = SchedulerOutput([item], [new], is_prefill=True, num_padded=128)
     input_ids, positions, meta, last_rows = _runner(llm).prepare_inputs(so)
     slots = meta.slot_mapping.tolist()
     assert slots == list(range(640, 704)) + list(range(960, 996)) + [-1] * 28
@@ -43,8 +44,9 @@ def test_prefill_of_100_tokens_pads_to_128_with_slot_minus_one(tiny_llama_dir):
 
 def test_decode_batch_pads_with_null_rows(tiny_llama_dir):
     llm = _llm(tiny_llama_dir)
-    items = [ScheduledRequest(f"r{i}", [7], 20 + i, [3 + i, 9 + i], False) for i in range(3)]
-    so = SchedulerOutput(items, is_prefill=False, num_padded=4, ctx_bucket=256)
+    items = [ScheduledRequest(f"r{i}", 1, 20 + i, [3 + i, 9 + i], False) for i in range(3)]
+    new = [NewRequestData(f"r{i}", [7] * (21 + i), SamplingParams()) for i in range(3)]
+    so = SchedulerOutput(items, new, is_prefill=False, num_padded=4, ctx_bucket=256)
     input_ids, positions, meta, last_rows = _runner(llm).prepare_inputs(so)
     assert input_ids.shape == (4,) and last_rows == [0, 1, 2]
     assert meta.slot_mapping.tolist()[3] == -1
@@ -52,7 +54,7 @@ def test_decode_batch_pads_with_null_rows(tiny_llama_dir):
     # Default context ladder [256]: positions up to 23 read 256 // 16 blocks, not max_model_len's.
     assert meta.block_table.shape[1] == 256 // 16
     off = _llm(tiny_llama_dir, additional_config={"decode_context_length_buckets": None})
-    so = SchedulerOutput(items, is_prefill=False, num_padded=4, ctx_bucket=512)
+    so = SchedulerOutput(items, new, is_prefill=False, num_padded=4, ctx_bucket=512)
     _, _, meta, _ = _runner(off).prepare_inputs(so)
     assert meta.block_table.shape[1] == 512 // 16  # context bucketing off: max_model_len wide
 
@@ -68,8 +70,9 @@ def test_padding_never_writes_the_kv_cache(tiny_llama_dir, monkeypatch):
         out = original(so)
         real_slots = set()
         for it in so.scheduled:
-            for p in range(it.start_position, it.start_position + len(it.token_ids)):
-                real_slots.add(it.block_ids[p // 16] * 16 + p % 16)
+            blocks = runner.requests[it.req_id].block_ids
+            for p in range(it.start_position, it.start_position + it.num_tokens):
+                real_slots.add(blocks[p // 16] * 16 + p % 16)
         for b, a in zip(before, runner.kv_caches, strict=True):
             per_slot = (b != a).reshape(2, b.shape[1] * b.shape[2], -1).any(-1).any(0)
             changed = per_slot.nonzero().flatten().tolist()
@@ -160,7 +163,7 @@ def test_eager_warmup_runs_each_row_count_then_leaves_no_trace(tiny_llama_dir, m
     original = ModelRunner.prepare_inputs
 
     def recording(self, so):
-        rows_seen.append((so.is_prefill, len(so.scheduled[0].token_ids) if so.is_prefill
+        rows_seen.append((so.is_prefill, so.scheduled[0].num_tokens if so.is_prefill
                           else len(so.scheduled)))
         return original(self, so)
 

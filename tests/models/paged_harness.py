@@ -57,7 +57,8 @@ class PagedHarness:
         for row, t in enumerate(tables):
             block_table[row, : len(t)] = torch.tensor(t)
         pos = torch.tensor(positions)
-        meta = AttentionMetadata.build(pos, query_lens, torch.tensor(slots), block_table)
+        meta = AttentionMetadata.build(pos, query_lens, torch.tensor(slots), block_table,
+                                       is_decode=max(query_lens) == 1)
         hidden = self.model(torch.tensor(input_ids), pos, self.kv, meta)
         logits = self.model.compute_logits(hidden)
         return list(logits.split(query_lens))

@@ -74,3 +74,44 @@ def make_byte_tokenizer(path: Path) -> Any:
     )
     fast.save_pretrained(path)
     return fast
+
+
+# ---- BERT (pooling models) ----------------------------------------------------------------------
+
+BERT_WORDS = "the cat sat on a mat dog ran far away big small red blue green house tree".split()
+
+
+def bert_config(**overrides: Any) -> transformers.BertConfig:
+    kwargs = dict(vocab_size=5 + len(BERT_WORDS), hidden_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, intermediate_size=128, max_position_embeddings=128,
+                  type_vocab_size=2)
+    kwargs.update(overrides)
+    return transformers.BertConfig(**kwargs)
+
+
+def randomise(model: torch.nn.Module) -> None:
+    """HF inits LayerNorms to ones/zeros and biases to zero: perturb them so they are checked."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "LayerNorm" in name or "bias" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+
+
+def save_bert_tokenizer(path: Path) -> None:
+    """A WordPiece tokenizer over BERT_WORDS (ids 0-4 the specials [PAD] [UNK] [CLS] [SEP])."""
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *BERT_WORDS]
+    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    transformers.BertTokenizerFast(str(path / "vocab.txt")).save_pretrained(path)
+
+
+def make_tiny_cross_encoder(path: Path, seed: int = 1) -> tuple[Path, Any]:
+    """A one-label BertForSequenceClassification (a reranker) with its tokenizer. Larger
+    weights than HF's default init: the logit must vary with the input (segment B's token type
+    included), or a broken variant could pass a gate."""
+    torch.manual_seed(seed)
+    config = bert_config(num_labels=1, initializer_range=0.3)
+    hf = transformers.BertForSequenceClassification(config).eval()
+    randomise(hf)
+    hf.save_pretrained(path, safe_serialization=True)
+    save_bert_tokenizer(path)
+    return path, hf

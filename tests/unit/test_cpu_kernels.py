@@ -59,11 +59,12 @@ def test_packed_linear_uses_the_kernel_for_single_rows_only():
     layer = ReplicatedLinear(64, 48, bias=True).to(torch.bfloat16)
     layer.weight.data.normal_()
     layer.bias.data.normal_()
+    weight = layer.weight.detach().clone()
     layer.pack_weight(fn)
-    assert layer.gemv_weight is not None
+    assert layer.gemv_weight is not None and layer.weight.numel() == 0  # plain copy released
     for rows in (1, cpu_kernels.GEMV_MAX_ROWS, cpu_kernels.GEMV_MAX_ROWS + 1, 64):
         x = torch.randn(rows, 64).to(torch.bfloat16)
-        ref = _reference(x, layer.weight, layer.bias)
+        ref = _reference(x, weight, layer.bias)
         assert ((layer(x).float() - ref).abs() <= ref.abs() * 2.0**-7 + 1e-2).all()
 
 

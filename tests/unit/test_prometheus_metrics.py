@@ -217,3 +217,16 @@ def test_cpu_compute_threads_gauge_follows_the_worker():
     m.record_gauges(_engine(BucketStats(), BlockPool(8), cpu_threads=2))
     m.record_gauges(_engine(BucketStats(), BlockPool(8), cpu_threads=1))
     assert 'ingot:cpu_compute_threads{model_name="m"} 1.0' in generate_latest(m.registry).decode()
+
+
+def test_async_step_counters_follow_the_worker_totals():
+    m = EngineMetrics("m")
+    text = generate_latest(m.registry).decode()
+    assert 'ingot:async_steps_total{model_name="m"} 0.0' in text  # exported from the start
+    base = _engine(BucketStats(), BlockPool(8)).get_stats()
+    for async_steps, fallbacks in ((0, 1), (7, 1), (7, 1), (12, 2)):
+        stats = {**base, "async_steps": async_steps, "sync_fallback_steps": fallbacks}
+        m._record_gauges(stats)
+    text = generate_latest(m.registry).decode()
+    assert 'ingot:async_steps_total{model_name="m"} 12.0' in text
+    assert 'ingot:sync_fallback_steps_total{model_name="m"} 2.0' in text

@@ -48,6 +48,7 @@ def test_randomized_invariants_over_1000_steps(prefills):
     arrivals, admitted_order, aborted = [], [], set()
     next_id = 0
     steps = 0
+    sent: dict[str, list[int]] = {}  # the blocks each request's steps told the runner of
     while steps < 1000 or sched.has_unfinished_requests():
         if steps < 1000 and rng.random() < 0.3:
             for _ in range(rng.randint(1, 3)):
@@ -75,8 +76,10 @@ def test_randomized_invariants_over_1000_steps(prefills):
         assert len(out.new_requests) <= prefills
         assert len(sched.running) <= min(sched.max_kv_concurrent, 8)
         for s in out.scheduled:
-            assert len(s.token_ids) <= 128
-            assert len(s.block_ids) == -(-(s.start_position + len(s.token_ids)) // 16)
+            assert s.num_tokens <= 128
+            blocks = sent.setdefault(s.req_id, [])
+            blocks += s.new_block_ids
+            assert len(blocks) == -(-(s.start_position + s.num_tokens) // 16)
         steps += 1
         assert steps < 20000, "requests did not finish"
     # FIFO: admission order is arrival order (aborted-while-waiting ones never admitted)
@@ -109,8 +112,8 @@ def test_5000_token_prompt_pads_to_8192_and_next_step_decodes():
     sched.add_request(make_request(0, 5000, 3))
     out = step(sched)
     (item,) = out.scheduled
-    assert len(item.token_ids) == 5000 and out.num_padded == 8192
-    assert len(item.block_ids) == 313  # ceil(5000 / 16): padding allocates nothing
+    assert item.num_tokens == 5000 and out.num_padded == 8192
+    assert len(item.new_block_ids) == 313  # ceil(5000 / 16): padding allocates nothing
     assert sched.total_padding_tokens == 3192
     out = step(sched)
     assert not out.is_prefill and out.num_padded == 1
@@ -138,13 +141,15 @@ def test_bucketing_off_keeps_actual_counts():
     assert out.num_padded == 50 and out.scheduled[0].num_tokens == 50
 
 
-def test_token_ids_between_matches_all_token_ids():
-    req = make_request(0, 5, 10)
-    req.prompt_token_ids = [1, 2, 3, 4, 5]
-    req.output_token_ids = [6, 7, 8]
+def test_runner_token_ids_match_prompt_plus_outputs():
+    from ingot.engine.sampling_params import SamplingParams
+    from ingot.worker.model_runner import CachedRequestState
+
+    state = CachedRequestState(SamplingParams(), [1, 2, 3, 4, 5], [6, 7, 8])
+    every = [1, 2, 3, 4, 5, 6, 7, 8]
     for start in range(9):
         for end in range(start, 9):
-            assert req.token_ids_between(start, end) == req.all_token_ids[start:end]
+            assert state.token_ids(start, end - start) == every[start:end]
 
 
 def test_packed_prefill_takes_up_to_max_prefills_then_decodes_everyone():
@@ -193,3 +198,67 @@ def test_update_from_output_stops_at_eos_after_min_tokens_and_frees_blocks():
     assert [o[0].finish_status for o in outs] == [None, RequestStatus.FINISHED_STOPPED]
     assert sched.schedule().is_empty
     assert "a" not in sched.requests and sched.kv.pool.num_free_blocks == free
+
+
+def _run_async(num_requests: int = 500, seed: int = 1) -> None:
+    """Two steps in flight (each scheduled before the previous one's tokens are back), random
+    arrivals, aborts and stop tokens; asserts what must hold throughout and afterwards."""
+    from collections import deque
+
+    rng = random.Random(seed)
+    sched = make_scheduler(prefills=4)
+    pool = sched.kv.pool
+    start_free = pool.num_free_blocks
+    queue: deque = deque()
+    made: dict[str, Request] = {}
+    sampled_steps: dict[str, int] = {}
+    next_id = steps = 0
+    while next_id < num_requests or sched.has_unfinished_requests() or queue:
+        if next_id < num_requests and rng.random() < 0.5:
+            req = make_request(next_id, rng.randint(1, 200), rng.randint(1, 20))
+            if next_id % 3 == 0:  # may stop early on token 9
+                req.sampling_params = SamplingParams(max_tokens=20, stop_token_ids=[9])
+            sched.add_request(req)
+            made[req.request_id] = req
+            next_id += 1
+        if rng.random() < 0.05 and sched.requests:
+            sched.finish_request(rng.choice(sorted(sched.requests)), RequestStatus.FINISHED_ABORTED)
+        so = sched.schedule()
+        if not so.is_empty:
+            queue.append(so)
+            assert len(queue) <= 2
+        if queue and (len(queue) == 2 or so.is_empty):
+            done = queue.popleft()
+            ids = [it.req_id for it in done.scheduled if it.sample]
+            for rid in ids:
+                sampled_steps[rid] = sampled_steps.get(rid, 0) + 1
+            tokens = [9 if rng.random() < 0.1 else 7 for _ in ids]
+            sched.update_from_output(done, ModelRunnerOutput(ids, tokens))
+        steps += 1
+        assert steps < 50000, "requests did not finish"
+    assert pool.num_free_blocks == start_free
+    assert not sched.requests and not sched.running
+    for rid, req in made.items():
+        max_tokens = req.sampling_params.max_tokens
+        assert len(req.output_token_ids) <= max_tokens
+        if req.status is RequestStatus.FINISHED_LENGTH:
+            # No wasted step: exactly one sampling step per token.
+            assert sampled_steps[rid] == max_tokens == len(req.output_token_ids)
+        assert req.num_output_placeholders == 0
+        # Only steps already in flight when it stopped ran in vain.
+        assert sampled_steps.get(rid, 0) - len(req.output_token_ids) <= 2
+    statuses = {r.status for r in made.values()}
+    assert statuses == {RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED,
+                        RequestStatus.FINISHED_ABORTED}
+
+
+def test_async_scheduling_500_requests_with_aborts_and_stops():
+    _run_async()
+
+
+def test_async_broken_case_without_placeholders_overruns_max_tokens(monkeypatch):
+    """The check above can fail: a scheduler blind to the tokens in flight schedules a
+    sampling step too many for max_tokens requests."""
+    monkeypatch.setattr(Scheduler, "_can_sample", lambda self, request: True)
+    with pytest.raises(AssertionError):
+        _run_async(60)

@@ -273,7 +273,7 @@ class TensorCapture:
                     for _ in range(n)
                 ]
             else:  # driven without the runner (e.g. a test harness): infer from the shape
-                phase = "prefill" if meta.max_query_len > 1 else "decode"
+                phase = "decode" if meta.is_decode else "prefill"
                 req_ids = ["?"] * len(ids)
         if (self.steps is not None and index not in self.steps) or (
             self.phases is not None and phase not in self.phases
@@ -411,7 +411,7 @@ def capture_ingot(
             cap.set_step_info(
                 "prefill" if so.is_prefill else "decode",
                 [it.req_id for it in so.scheduled],
-                [len(it.token_ids) for it in so.scheduled],
+                [it.num_tokens for it in so.scheduled],
             )
         return original(so)
 

@@ -34,6 +34,12 @@ def local_worker(engine: Any) -> Any:
             "the accuracy toolkit hooks the model in this process; run the engine with "
             "distributed_executor_backend='uni'"
         )
+    if engine.config.scheduler_config.async_scheduling:
+        # Captures read the KV cache between steps; a step in flight would be writing it.
+        raise ValueError(
+            "the accuracy toolkit reads the model's state between steps; run the engine with "
+            "async_scheduling=False (--no-async-scheduling)"
+        )
     return engine.collective_rpc(_the_worker)[0]
 
 
@@ -106,7 +112,7 @@ class IngotRunner:
         """
         if num_tokens < 1:
             raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
-        if self.engine.has_unfinished_requests():
+        if self.engine.get_num_unfinished_requests():
             raise RuntimeError("the engine has other requests in flight; validation needs it idle")
         req_id = f"accuracy-{next(_ids)}"
         # One spare token so the request never finishes (and frees its blocks) by itself before

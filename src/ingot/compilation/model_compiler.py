@@ -140,19 +140,22 @@ def warmup_shapes(config: EngineConfig) -> list[WarmupShape]:
 
 
 def warmup_scheduler_output(shape: WarmupShape) -> Any:
-    """A SchedulerOutput of dummy requests with this shape, all blocks the null block."""
+    """A SchedulerOutput of dummy requests (prompts of token 0) with this shape, all blocks
+    the null block. Their runner state goes with ``ModelRunner.forget_dummy_steps``."""
     from ingot.core.kv_cache_manager import NULL_BLOCK_ID
-    from ingot.core.sched_output import ScheduledRequest, SchedulerOutput
+    from ingot.core.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
+    from ingot.engine.sampling_params import SamplingParams
 
     blocks = [NULL_BLOCK_ID] * shape.width
     if shape.kind == "prefill":
-        items = [ScheduledRequest("warmup-0", [0] * shape.num_real, shape.start_position, blocks,
-                                  False)]
-        return SchedulerOutput(items, is_prefill=True, num_padded=shape.num_tokens)
-    items = [ScheduledRequest(f"warmup-{i}", [0], shape.start_position, blocks, False)
-             for i in range(shape.num_reqs)]
-    return SchedulerOutput(items, is_prefill=False, num_padded=shape.num_tokens,
-                           ctx_bucket=shape.start_position + 1)
+        ids, num_real, prefill = ["warmup-0"], shape.num_real, True
+    else:
+        ids, num_real, prefill = [f"warmup-{i}" for i in range(shape.num_reqs)], 1, False
+    prompt = [0] * (shape.start_position + num_real)
+    new = [NewRequestData(i, prompt, SamplingParams()) for i in ids]
+    items = [ScheduledRequest(i, num_real, shape.start_position, blocks, False) for i in ids]
+    return SchedulerOutput(items, new, is_prefill=prefill, num_padded=shape.num_tokens,
+                           ctx_bucket=None if prefill else shape.start_position + 1)
 
 
 def _source_digest() -> str:

@@ -131,6 +131,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.req_blocks: dict[str, list[int]] = {}
         self.req_hashes: dict[str, list[BlockHash]] = {}
+        self.req_salt: dict[str, bytes] = {}
         self.stats = PrefixCacheStats()
 
     @property
@@ -140,17 +141,21 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def admit(self, request_id: str, prompt_token_ids: Sequence[int] = ()) -> int:
-        """Start a request; returns how many prompt tokens the prefix cache already holds."""
+    def admit(self, request_id: str, prompt_token_ids: Sequence[int] = (), salt: bytes = b"") -> int:
+        """Start a request; returns how many prompt tokens the prefix cache already holds.
+        ``salt`` roots the request's hash chain (a prompt-embeds request's content hash: its
+        placeholder token ids must never match another prompt's)."""
         self.req_blocks[request_id] = []
         self.req_hashes[request_id] = []
+        if salt:
+            self.req_salt[request_id] = salt
         if not self.enable_prefix_caching or not prompt_token_ids:
             return 0
         bs = self.block_size
         # The model must compute at least the last prompt token, so a hit stops before it.
         max_blocks = (len(prompt_token_ids) - 1) // bs
         hits: list[int] = []
-        parent: BlockHash | None = None
+        parent: BlockHash | None = salt or None
         for i in range(max_blocks):
             h = hash_block(parent, prompt_token_ids[i * bs : (i + 1) * bs])
             block = self.pool.lookup(h)
@@ -187,13 +192,15 @@ class KVCacheManager:
         blocks = self.req_blocks[request_id]
         bs = self.block_size
         for i in range(len(hashes), num_computed // bs):
-            h = hash_block(hashes[-1] if hashes else None, token_ids[i * bs : (i + 1) * bs])
+            parent = hashes[-1] if hashes else self.req_salt.get(request_id)
+            h = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
             hashes.append(h)
             self.pool.cache_block(blocks[i], h)
 
     def free(self, request_id: str) -> None:
         blocks = self.req_blocks.pop(request_id, None)
         self.req_hashes.pop(request_id, None)
+        self.req_salt.pop(request_id, None)
         if blocks:
             self.pool.free(list(reversed(blocks)))
 

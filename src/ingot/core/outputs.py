@@ -19,6 +19,7 @@ class EngineCoreOutput:
     stop_reason: int | None = None
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
+    pooled: list[float] | None = None  # a pooling request's output (it finishes with it)
 
     @property
     def finished(self) -> bool:

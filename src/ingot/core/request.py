@@ -10,6 +10,9 @@ from __future__ import annotations
 import enum
 import time
 
+import torch
+
+from ingot.engine.pooling_params import PoolingParams
 from ingot.engine.sampling_params import SamplingParams
 
 
@@ -30,21 +33,40 @@ class Request:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
+        sampling_params: SamplingParams | None,
         arrival_time: float | None = None,
+        pooling_params: PoolingParams | None = None,
+        prompt_embeds: torch.Tensor | None = None,
+        cache_salt: bytes = b"",
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
+        # Exactly one of the two: a generation request samples, a pooling request (prefill
+        # only) finishes with its pooled output once its prompt has run.
         self.sampling_params = sampling_params
+        self.pooling_params = pooling_params
+        # A prompt given as embeddings: prompt_token_ids are placeholders (scheduling stays in
+        # token space) and the prefix cache keys its blocks by ``cache_salt``, a content hash.
+        self.prompt_embeds = prompt_embeds
+        self.cache_salt = cache_salt
         self.output_token_ids: list[int] = []
+        # Tokens whose computation has been scheduled (advanced when a step is scheduled, so
+        # the next step can be scheduled while this one runs).
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache
+        # Tokens scheduled to be sampled whose values have not come back yet (0 between
+        # synchronous steps; 1 or 2 under async scheduling).
+        self.num_output_placeholders = 0
+        # KV blocks the runner has been told about (0 until the first scheduled step).
+        self.num_blocks_sent = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | None = None  # the stop token id that ended it
         self.arrival_time = arrival_time or time.time()
         self.first_scheduled_time: float | None = None
         # A grammar constrains its tokens (its matcher lives in the StructuredOutputManager).
-        self.use_structured_output = sampling_params.structured_outputs is not None
+        self.use_structured_output = (
+            sampling_params is not None and sampling_params.structured_outputs is not None
+        )
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -57,15 +79,6 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
-
-    def token_ids_between(self, start: int, end: int) -> list[int]:
-        """all_token_ids[start:end] without building the whole list (decode hot path)."""
-        n_prompt = len(self.prompt_token_ids)
-        if start >= n_prompt:
-            return self.output_token_ids[start - n_prompt : end - n_prompt]
-        if end <= n_prompt:
-            return self.prompt_token_ids[start:end]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n_prompt]
 
     @property
     def is_finished(self) -> bool:

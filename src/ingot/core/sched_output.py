@@ -5,6 +5,12 @@ packed end to end, padded to one ``num_batched_tokens_buckets`` entry) or a deco
 token per running request, the batch padded to a ``num_seqs_buckets`` entry). The kind and the
 padded size are decided once, here; the runner and the attention backend read them from the
 step, never re-derive them from the tokens.
+
+The step is incremental: a request's prompt and sampling parameters travel once, the first step
+it is scheduled (``NewRequestData``); after that each step says only how many tokens it computes
+from which position and which blocks it gained. The runner holds every request's tokens (the
+prompt, and the tokens it sampled itself), so a step can be scheduled before the previous one's
+sampled tokens are known (async scheduling).
 """
 
 from __future__ import annotations
@@ -12,7 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
+from ingot.engine.pooling_params import PoolingParams
 from ingot.engine.sampling_params import SamplingParams
 
 
@@ -22,20 +30,20 @@ class NewRequestData:
 
     req_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None
+    pooling_params: PoolingParams | None = None  # a pooling request (no sampling params)
+    prompt_embeds: torch.Tensor | None = None  # [prompt_len, hidden]: replaces the token ids
 
 
 @dataclass
 class ScheduledRequest:
     req_id: str
-    token_ids: list[int]  # tokens computed this step (a prefill segment, or the last token)
-    start_position: int  # absolute position of token_ids[0] (= computed tokens before the step)
-    block_ids: list[int]  # all blocks the request owns, in order
-    sample: bool  # this step reaches the end of the known tokens: sample the next one
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
+    num_tokens: int  # tokens computed this step (a prefill segment, or the one decode token)
+    start_position: int  # absolute position of the first (= tokens computed before the step)
+    new_block_ids: list[int]  # blocks allocated since the runner last heard (all, the first time)
+    # This step reaches the end of the request's tokens: sample the next one (a pooling
+    # request: its prompt is complete, its pooled output is due).
+    sample: bool
 
 
 @dataclass
@@ -64,7 +72,7 @@ class SchedulerOutput:
 
     @property
     def total_num_scheduled_tokens(self) -> int:
-        return sum(len(r.token_ids) for r in self.scheduled)
+        return sum(r.num_tokens for r in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -72,4 +80,4 @@ class SchedulerOutput:
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:
-        return {r.req_id: len(r.token_ids) for r in self.scheduled}
+        return {r.req_id: r.num_tokens for r in self.scheduled}

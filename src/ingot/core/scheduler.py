@@ -91,6 +91,7 @@ class Scheduler:
         if request is None:
             return
         request.status = status
+        request.num_output_placeholders = 0  # a step still in flight has its token dropped
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -102,6 +103,10 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def has_finished_to_report(self) -> bool:
+        """Finished requests the next SchedulerOutput will tell the workers to forget."""
+        return bool(self._finished_ids)
 
     @property
     def num_running(self) -> int:
@@ -130,42 +135,63 @@ class Scheduler:
             return False
         return tokens_left < self.prefill_token_budget
 
-    def _admit(self) -> list[NewRequestData]:
+    def _admit(self) -> None:
         if not self.waiting:  # the decode steady state: nothing to admit, no scan of running
-            return []
+            return
         self.holdback.extend(self.waiting)
         self.waiting.clear()
-        admitted: list[NewRequestData] = []
         num_prefilling, tokens_left = self._prefill_work()
         while self.holdback and self.can_schedule(num_prefilling, tokens_left):
             request = self.holdback.popleft()
             # A request that wants prompt logprobs needs logits at every prompt position, so it
-            # computes its whole prompt (its blocks are still published for others), as in vLLM.
-            lookup = request.prompt_token_ids if request.sampling_params.prompt_logprobs is None else ()
-            request.num_computed_tokens = self.kv.admit(request.request_id, lookup)
+            # computes its whole prompt (its blocks are still published for others), as in vLLM;
+            # so does a pooling request (it pools every prompt token's hidden state).
+            params = request.sampling_params
+            lookup = request.prompt_token_ids if params is not None and params.prompt_logprobs is None else ()
+            request.num_computed_tokens = self.kv.admit(request.request_id, lookup,
+                                                        request.cache_salt)
             request.num_cached_tokens = request.num_computed_tokens
             request.status = RequestStatus.RUNNING
             request.first_scheduled_time = time.time()
             self.running.append(request)
             num_prefilling += 1
             tokens_left += request.num_prompt_tokens - request.num_computed_tokens
-            admitted.append(
-                NewRequestData(request.request_id, request.prompt_token_ids, request.sampling_params)
-            )
         self.waiting, self.holdback = self.holdback, deque()
-        return admitted
 
     # ---- scheduling --------------------------------------------------------------------
-    def _schedule(self, request: Request, n: int) -> ScheduledRequest:
+    def _can_sample(self, request: Request) -> bool:
+        """Another sampled token is still allowed: a step already in flight may have taken the
+        request to its max_tokens or to max_model_len (never true between synchronous steps,
+        where such a request has finished)."""
+        if request.sampling_params is None:  # a pooling request never decodes
+            return False
+        pending = request.num_output_placeholders
+        if pending and request.use_structured_output:
+            # Async scheduling: its next grammar mask depends on the token still in flight.
+            return False
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None and len(request.output_token_ids) + pending >= max_tokens:
+            return False
+        return request.num_tokens + pending < self.config.max_model_len
+
+    def _schedule(
+        self, request: Request, n: int, new_requests: list[NewRequestData]
+    ) -> ScheduledRequest:
         start = request.num_computed_tokens
         blocks = self.kv.allocate_slots(request.request_id, start + n)  # actual tokens only
-        return ScheduledRequest(
-            req_id=request.request_id,
-            token_ids=request.token_ids_between(start, start + n),
-            start_position=start,
-            block_ids=list(blocks),
-            sample=start + n == request.num_tokens,
-        )
+        if request.num_blocks_sent == 0:  # its first step: the runner learns of it now
+            new_requests.append(
+                NewRequestData(request.request_id, request.prompt_token_ids,
+                               request.sampling_params, request.pooling_params,
+                               request.prompt_embeds)
+            )
+        new_block_ids = list(blocks[request.num_blocks_sent :])
+        request.num_blocks_sent = len(blocks)
+        request.num_computed_tokens = start + n
+        sample = start + n == request.num_tokens + request.num_output_placeholders
+        if sample:
+            request.num_output_placeholders += 1
+        return ScheduledRequest(request.request_id, n, start, new_block_ids, sample)
 
     def schedule(self) -> SchedulerOutput:
         so = self._schedule_step()
@@ -175,7 +201,8 @@ class Scheduler:
         return so
 
     def _schedule_step(self) -> SchedulerOutput:
-        new_requests = self._admit()
+        self._admit()
+        new_requests: list[NewRequestData] = []
         prefilling = [r for r in self.running if self._in_prefill(r)]
         scheduled: list[ScheduledRequest] = []
         finished, self._finished_ids = self._finished_ids, set()
@@ -186,7 +213,10 @@ class Scheduler:
                 if budget == 0:
                     break
                 n = min(request.num_prompt_tokens - request.num_computed_tokens, budget)
-                scheduled.append(self._schedule(request, n))
+                if n < request.num_prompt_tokens - request.num_computed_tokens and scheduled \
+                        and not self.config.enable_chunked_prefill:
+                    break  # no chunking: a prompt that does not fit whole waits for a later step
+                scheduled.append(self._schedule(request, n, new_requests))
                 budget -= n
             total = sum(s.num_tokens for s in scheduled)
             padded = grid.prefill_bucket(total)
@@ -195,8 +225,9 @@ class Scheduler:
                 self.bucket_stats.record_prefill(padded, total)
             self.state = SchedulerState.ACTIVE_PREFILL
             return SchedulerOutput(scheduled, new_requests, finished, True, padded)
-        if self.running:
-            scheduled = [self._schedule(r, 1) for r in self.running]
+        decodable = [r for r in self.running if self._can_sample(r)]
+        if decodable:
+            scheduled = [self._schedule(r, 1, new_requests) for r in decodable]
             padded = grid.decode_bucket(len(scheduled))
             ctx = None
             if grid.enabled:
@@ -207,7 +238,7 @@ class Scheduler:
                 )
             self.state = SchedulerState.ACTIVE_DECODE
             return SchedulerOutput(scheduled, new_requests, finished, False, padded, ctx)
-        self.state = SchedulerState.IDLE
+        self.state = SchedulerState.ACTIVE_DECODE if self.running else SchedulerState.IDLE
         return SchedulerOutput([], new_requests, finished)
 
     # ---- results -----------------------------------------------------------------------
@@ -228,30 +259,37 @@ class Scheduler:
     def update_from_output(
         self, so: SchedulerOutput, output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """Apply one step's results: advance computed tokens (publishing full blocks to the
-        prefix cache), append sampled tokens, stop finished requests and free their blocks.
-        Returns one output per request that ran this step and is still known to the core."""
+        """Apply one step's results: publish the blocks it filled to the prefix cache, append
+        sampled tokens, stop finished requests and free their blocks. Returns one output per
+        request that ran this step and is still known to the core (a request aborted, or
+        stopped by an earlier step, while this one ran is skipped: its token is dropped)."""
         results: dict[str, EngineCoreOutput] = {}
         for item in so.scheduled:
             request = self.requests.get(item.req_id)
-            if request is None:  # finished (aborted) while its step ran
+            if request is None:
                 continue
-            request.num_computed_tokens += item.num_tokens
-            if self.kv.has_uncached_full_blocks(request.request_id, request.num_computed_tokens):
-                self.kv.cache_full_blocks(
-                    request.request_id, request.all_token_ids, request.num_computed_tokens
-                )
+            # Published only now that the step has run: a block is shared only once its
+            # K/V is written (a later step may already be scheduled past it).
+            computed = item.start_position + item.num_tokens
+            if self.kv.has_uncached_full_blocks(request.request_id, computed):
+                self.kv.cache_full_blocks(request.request_id, request.all_token_ids, computed)
             out = EngineCoreOutput(
                 item.req_id, num_cached_tokens=request.num_cached_tokens,
                 first_scheduled_time=request.first_scheduled_time,
                 new_prompt_logprobs=output.prompt_logprobs.get(item.req_id),
             )
             results[item.req_id] = out
+            if request.pooling_params is not None and item.sample:
+                # Prefill only: a pooling request ends with its prompt, with its pooled output.
+                out.pooled = output.pooler_output.get(item.req_id)
+                out.finish_status = RequestStatus.FINISHED_STOPPED
+                self.finish_request(item.req_id, RequestStatus.FINISHED_STOPPED)
         for req_id, token in zip(output.req_ids, output.sampled_token_ids, strict=True):
             request = self.requests.get(req_id)
             out = results.get(req_id)
             if request is None or out is None:
                 continue
+            request.num_output_placeholders -= 1
             request.output_token_ids.append(token)
             out.new_token_ids.append(token)
             lp = output.logprobs.get(req_id)

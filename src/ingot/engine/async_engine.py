@@ -21,7 +21,8 @@ from typing import Any
 
 from ingot.config import EngineArgs
 from ingot.engine.llm_engine import LLMEngine, PromptType
-from ingot.engine.outputs import RequestOutput
+from ingot.engine.outputs import PoolingRequestOutput, RequestOutput
+from ingot.engine.pooling_params import PoolingParams
 from ingot.engine.sampling_params import SamplingParams
 from ingot.errors import IngotError
 
@@ -102,7 +103,7 @@ class AsyncLLM:
         try:
             while not self._stopped:
                 self._run_commands()
-                if not engine.has_unfinished_requests():
+                if not engine.has_pending_work():
                     engine.check_health()  # a worker process that died while idle
                     self._wakeup.wait(timeout=0.5)
                     self._wakeup.clear()
@@ -153,10 +154,11 @@ class AsyncLLM:
         return await asyncio.wrap_future(future)
 
     async def generate(
-        self, prompt: PromptType, params: SamplingParams, request_id: str
-    ) -> AsyncIterator[RequestOutput]:
+        self, prompt: PromptType, params: SamplingParams | PoolingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
         """Yields cumulative RequestOutputs; the last one has ``finished=True``. Leaving the
-        iteration early (client gone, task cancelled) aborts the request at once."""
+        iteration early (client gone, task cancelled) aborts the request at once. With
+        PoolingParams (a pooling model) the one output is the finished PoolingRequestOutput."""
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if self._stopped or self.dead_error is not None:

@@ -1,22 +1,32 @@
 """EngineCore: the scheduler, the KV cache manager and the executor; owns every request's
 tokens and state. ``step()`` schedules, executes and applies the results, returning one
 ``EngineCoreOutput`` per request that ran. The front end (``LLMEngine``) only tokenizes,
-detokenizes, checks stop strings and builds user-facing outputs."""
+detokenizes, checks stop strings and builds user-facing outputs.
+
+With async scheduling the core keeps a batch queue of depth 2: it schedules and submits step
+N+1 before it waits for step N's results, so scheduling, result processing and the front end's
+work overlap the forward pass. The scheduler counts the tokens in flight as placeholders, so a
+request never runs past its max_tokens; a request that stops (EOS, stop string, abort) while
+its next step is in flight has that step's token dropped."""
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Any
 
 from ingot.config import EngineConfig
 from ingot.core.kv_cache_manager import KVCacheManager
 from ingot.core.outputs import EngineCoreOutput
 from ingot.core.request import Request, RequestStatus
+from ingot.core.sched_output import SchedulerOutput
 from ingot.core.scheduler import Scheduler
 from ingot.engine.sampling_params import SamplingParams
 from ingot.structured_output.manager import StructuredOutputManager
 from ingot.worker.executor import Executor, RpcMethod
+from ingot.worker.outputs import ModelRunnerOutput
 
 logger = logging.getLogger("ingot")
 
@@ -53,6 +63,11 @@ class EngineCore:
         )
         #: Forward steps run (not counting empty schedules).
         self.num_steps = 0
+        # Async scheduling: steps submitted whose results are not applied yet, oldest first.
+        self.max_in_flight = 2 if config.scheduler_config.async_scheduling else 1
+        self.batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
+        # The workers' runtime counters, as the latest step output brought them.
+        self._runtime_stats: dict[str, Any] = self.collective_rpc("runtime_stats")[0]
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -72,17 +87,42 @@ class EngineCore:
         for rid in request_ids:
             self.scheduler.finish_request(rid, status)
 
-    def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+    def has_pending_work(self) -> bool:
+        """Requests to run, steps in flight, or finished requests the workers have not been
+        told of yet: the step loop runs until none is left."""
+        return (self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
+                or self.scheduler.has_finished_to_report())
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        if self.max_in_flight > 1:
+            return self._step_with_batch_queue()
         so = self.scheduler.schedule()
-        if so.is_empty:
-            if so.finished_req_ids:  # let the workers drop per-request state now
-                self.executor.execute_model(so)
+        if so.is_empty and not so.finished_req_ids:
             return []
-        output = self.executor.execute_model(so)
+        # (An empty step still tells the workers which requests to forget.)
+        return self._apply(so, self.executor.execute_model(so))
+
+    def _step_with_batch_queue(self) -> list[EngineCoreOutput]:
+        """Submit the next step while the queue has room; wait for the oldest only when the
+        queue is full or nothing more can be scheduled. Returns [] when it only submitted."""
+        queue = self.batch_queue
+        submitted = False
+        if len(queue) < self.max_in_flight:
+            so = self.scheduler.schedule()
+            if not so.is_empty or so.finished_req_ids:
+                queue.append((so, self.executor.execute_model(so, non_block=True)))
+                submitted = True
+        if not queue or (submitted and len(queue) < self.max_in_flight):
+            return []
+        so, future = queue.popleft()
+        return self._apply(so, future.result())
+
+    def _apply(self, so: SchedulerOutput, output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        if output.runtime_stats is not None:
+            self._runtime_stats = output.runtime_stats
+        if so.is_empty:
+            return []
         self.num_steps += 1
         return self.scheduler.update_from_output(so, output)
 
@@ -112,7 +152,7 @@ class EngineCore:
         scheduler = self.scheduler
         kv = self.kv_cache_manager
         pool = kv.pool
-        runtime = self.collective_rpc("runtime_stats")[0]
+        runtime = self._runtime_stats
         return {
             "scheduler_state": scheduler.state.value,
             "num_running": scheduler.num_running,
@@ -130,6 +170,10 @@ class EngineCore:
             "buckets": scheduler.bucket_stats,
             "compilation": runtime["compilation"],
             "cpu_compute_threads": runtime["cpu_compute_threads"],
+            "async_scheduling": self.max_in_flight > 1,
+            "async_steps": runtime["async_steps"],
+            "sync_fallback_steps": runtime["sync_fallback_steps"],
+            "num_runner_requests": runtime["num_runner_requests"],
         }
 
     def shutdown(self) -> None:

@@ -22,10 +22,18 @@ from ingot.engine.detokenizer import IncrementalDetokenizer
 from ingot.engine.outputs import (
     CompletionOutput,
     Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
     PromptLogprobs,
     RequestMetrics,
     RequestOutput,
     SampleLogprobs,
+)
+from ingot.engine.pooling_params import PoolingParams
+from ingot.engine.prompt_embeds import (
+    PROMPT_EMBEDS_PLACEHOLDER,
+    check_prompt_embeds,
+    content_hash,
 )
 from ingot.engine.sampling_params import SamplingParams
 from ingot.engine.tokenizer import load_tokenizer
@@ -43,7 +51,7 @@ class _ReqState:
     owner is the core; this is the copy that outputs are built from."""
 
     request_id: str
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     detokenizer: IncrementalDetokenizer | None
     metrics: RequestMetrics
     output_token_ids: list[int] = field(default_factory=list)
@@ -53,6 +61,7 @@ class _ReqState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    pooled: list[float] | None = None  # a pooling request's output
 
     @property
     def is_finished(self) -> bool:
@@ -134,15 +143,32 @@ class LLMEngine:
         self,
         request_id: str | None,
         prompt: PromptType,
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         arrival_time: float | None = None,
     ) -> str:
+        is_pooling = self.model_config.is_pooling
+        if isinstance(params, PoolingParams) or (params is None and is_pooling):
+            return self._add_pooling_request(request_id, prompt, params or PoolingParams(),
+                                             arrival_time)
+        if is_pooling:
+            raise ValueError(
+                f"this engine runs {self.model_config.architecture} as a pooling model "
+                "(--runner pooling): it returns embeddings or scores and cannot generate text; "
+                "use embed / classify / score, or start a generative model"
+            )
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, token_ids = self.tokenize_prompt(prompt)
-        self._validate_prompt(token_ids)
+        embeds = self._prompt_embeds(prompt, params)
+        salt = b""
+        if embeds is not None:
+            # Scheduling stays in token space: one placeholder id per row.
+            text, token_ids = None, [PROMPT_EMBEDS_PLACEHOLDER] * embeds.shape[0]
+            salt = content_hash(embeds)
+        else:
+            text, token_ids = self.tokenize_prompt(prompt)
+            self._validate_prompt(token_ids)
         if params.prompt_logprobs is not None and len(token_ids) < 1:
             raise ValueError("prompt_logprobs needs a prompt")
         children = []
@@ -154,12 +180,14 @@ class LLMEngine:
             if not params.ignore_eos:
                 child_params.all_stop_token_ids |= self.eos_token_ids
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
-            children.append(self._make_request(child_id, token_ids, child_params, arrival_time))
+            detok_context = token_ids if embeds is None else []
+            children.append(self._make_request(child_id, detok_context, child_params, arrival_time))
         added: list[str] = []
         try:
             for child in children:
                 self.engine_core.add_request(
-                    Request(child.request_id, token_ids, child.params, child.metrics.arrival_time)
+                    Request(child.request_id, token_ids, child.params, child.metrics.arrival_time,
+                            prompt_embeds=embeds, cache_salt=salt)
                 )
                 added.append(child.request_id)
         except BaseException:
@@ -170,6 +198,131 @@ class LLMEngine:
         for child in children:
             self.requests[child.request_id] = child
             self._child_to_parent[child.request_id] = request_id
+        return request_id
+
+    def _prompt_embeds(self, prompt: PromptType, params: SamplingParams) -> Any:
+        """The checked tensor of a ``{"prompt_embeds": tensor}`` prompt, else None."""
+        if not isinstance(prompt, Mapping) or "prompt_embeds" not in prompt:
+            return None
+        mc = self.model_config
+        if not mc.enable_prompt_embeds:
+            raise ValueError(
+                "prompt_embeds is off on this engine; start it with --enable-prompt-embeds "
+                "(LLM(enable_prompt_embeds=True))"
+            )
+        if params.prompt_logprobs is not None or params.repetition_penalty != 1.0:
+            raise ValueError(
+                "prompt_logprobs and repetition_penalty need the prompt's token ids; a "
+                "prompt_embeds request has none"
+            )
+        return check_prompt_embeds(prompt["prompt_embeds"], mc.hidden_size, mc.max_model_len)
+
+    # ---- pooling requests ------------------------------------------------------------------
+    def pooling_prompt(
+        self, prompt: PromptType, truncate_prompt_tokens: int | None = None
+    ) -> tuple[str | None, list[int], list[int]]:
+        """(text, token ids, the ids the model gets) of a pooling prompt, truncated to
+        ``truncate_prompt_tokens`` (-1: max_model_len): text through the tokenizer (which keeps
+        its end token, as sentence-transformers truncates), token ids keep their last tokens (as
+        vLLM). A prompt dict may carry ``token_type_ids`` (cross-encoder pairs): the model's ids
+        carry them (models/bert.py, ``encode_token_type_ids``)."""
+        k = truncate_prompt_tokens
+        if k == -1:
+            k = self.model_config.max_model_len
+        types = prompt.get("token_type_ids") if isinstance(prompt, Mapping) else None
+        if isinstance(prompt, str) and k is not None:
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; pass token ids instead")
+            if not prompt:
+                raise ValueError("the prompt is empty; give at least one token")
+            text, token_ids = prompt, self.tokenizer.encode(prompt, truncation=True, max_length=k)
+        else:
+            text, token_ids = self.tokenize_prompt(prompt)
+            if k is not None and len(token_ids) > k:
+                token_ids = token_ids[-k:]
+                types = types[-k:] if types is not None else None
+        max_len = self.model_config.max_model_len
+        if len(token_ids) > max_len:
+            raise PromptTooLongError(
+                f"the input has {len(token_ids)} tokens, more than max_model_len ({max_len}); "
+                "shorten it or pass truncate_prompt_tokens (-1: cut to max_model_len)"
+            )
+        self._validate_prompt(token_ids)
+        if types is None:
+            return text, token_ids, token_ids
+        if not self.model_config.is_encoder_only:
+            raise ValueError("token_type_ids are for BERT-style (encoder-only) models")
+        from ingot.model_executor.models.bert import encode_token_type_ids
+
+        types = list(types)
+        type_vocab = int(getattr(self.model_config.hf_config, "type_vocab_size", 1))
+        if any(not isinstance(t, int) or not 0 <= t < type_vocab for t in types):
+            raise ValueError(f"token_type_ids must be integers in [0, {type_vocab})")
+        return text, token_ids, encode_token_type_ids(token_ids, types)
+
+    def resolve_pooling_params(self, params: PoolingParams) -> PoolingParams:
+        """The request's parameters with the model's defaults filled in; refuses what the model
+        cannot do (a task it lacks, ``dimensions`` on a model not trained for them)."""
+        mc = self.model_config
+        if not mc.is_pooling:
+            raise ValueError(
+                f"{mc.architecture} is served as a generative model: embeddings, classification "
+                "and scores need a pooling model (start it with --runner pooling)"
+            )
+        pooler = mc.pooler_config
+        assert pooler is not None
+        params = params.clone()
+        native = pooler.task
+        if params.task is None or params.task == "encode":
+            params.task = native
+        allowed = ("embed",) if native == "embed" else ("classify", "score")
+        if params.task not in allowed:
+            raise ValueError(
+                f"task {params.task!r} is not supported by {mc.architecture} (a "
+                f"{'n embedding' if native == 'embed' else ' classification'} model); it "
+                f"supports {', '.join(allowed)}"
+            )
+        if params.dimensions is not None:
+            if params.task != "embed":
+                raise ValueError("dimensions applies to embeddings only")
+            hf = mc.hf_config
+            listed = getattr(hf, "matryoshka_dimensions", None)
+            if not (listed or getattr(hf, "is_matryoshka", False)):
+                raise ValueError(
+                    f"Model \"{mc.served_model_name}\" does not support matryoshka "
+                    "representation, changing output dimensions will lead to poor results; "
+                    "drop dimensions"
+                )
+            if listed and params.dimensions not in listed:
+                raise ValueError(f"dimensions must be one of {sorted(listed)}, got {params.dimensions}")
+            if params.dimensions > int(hf.hidden_size):
+                raise ValueError(f"dimensions must be <= {hf.hidden_size}, got {params.dimensions}")
+        if params.normalize is None:
+            params.normalize = pooler.normalize and params.task == "embed"
+        if params.activation is None:
+            params.activation = True
+        return params
+
+    def _add_pooling_request(
+        self,
+        request_id: str | None,
+        prompt: PromptType,
+        params: PoolingParams,
+        arrival_time: float | None,
+    ) -> str:
+        params = self.resolve_pooling_params(params)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids, model_ids = self.pooling_prompt(prompt, params.truncate_prompt_tokens)
+        state = _ReqState(request_id, params, None,
+                          RequestMetrics(arrival_time=arrival_time or time.time()))
+        self.parents[request_id] = _Parent(request_id, [request_id], text, token_ids)
+        self.requests[request_id] = state
+        self._child_to_parent[request_id] = request_id
+        self.engine_core.add_request(
+            Request(request_id, model_ids, None, state.metrics.arrival_time, pooling_params=params)
+        )
         return request_id
 
     def _make_request(
@@ -211,6 +364,12 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.parents)
+
+    def has_pending_work(self) -> bool:
+        """User requests still running, or core work left over from finished ones (a step in
+        flight, workers not yet told to forget a request): a loop that owns the engine keeps
+        stepping until this is False."""
+        return bool(self.parents) or self.engine_core.has_pending_work()
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; refused (False) while requests hold blocks."""
@@ -284,6 +443,13 @@ class LLMEngine:
                     state.prompt_logprobs.append(self._logprob_dict(ids, lps, rank))
             if state.prompt_logprobs is not None:
                 touched.add(parent)
+            if isinstance(state.params, PoolingParams):
+                if out.finish_status is not None:
+                    state.pooled = out.pooled
+                    state.finish_reason = out.finish_status.value
+                    state.metrics.finished_time = now
+                    touched.add(parent)
+                continue
             if not out.new_token_ids:
                 continue
             if state.metrics.first_token_time is None:
@@ -326,9 +492,17 @@ class LLMEngine:
             stop_reason=request.stop_reason,
         )
 
-    def _make_output(self, parent_id: str) -> RequestOutput:
+    def _make_output(self, parent_id: str) -> RequestOutput | PoolingRequestOutput:
         parent = self.parents[parent_id]
         children = [self.requests[c] for c in parent.children]
+        if isinstance(children[0].params, PoolingParams):
+            state = children[0]
+            return PoolingRequestOutput(
+                request_id=parent_id, prompt=parent.prompt,
+                prompt_token_ids=parent.prompt_token_ids,
+                outputs=PoolingOutput(list(state.pooled or [])), finished=state.is_finished,
+                metrics=state.metrics,
+            )
         finished = all(c.is_finished for c in children)
         first = children[0]
         return RequestOutput(
@@ -342,7 +516,7 @@ class LLMEngine:
             num_cached_tokens=first.num_cached_tokens,
         )
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         touched = self._process(self.engine_core.step())
         outputs = []
         for parent_id in sorted(touched, key=lambda p: self.parents[p].children[0]):

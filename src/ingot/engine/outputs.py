@@ -50,3 +50,79 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     kv_transfer_params: dict | None = field(default=None, repr=False)
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's output: an embedding, or a classifier's label scores."""
+
+    data: list[float]
+
+
+@dataclass
+class PoolingRequestOutput:
+    """vLLM's shape: what ``LLM.encode`` returns (and the others wrap)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    finished: bool
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(out.request_id, out.prompt_token_ids, EmbeddingOutput(out.outputs.data),
+                   out.finished)
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]  # after the activation (softmax; sigmoid for one label)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> ClassificationRequestOutput:
+        return cls(out.request_id, out.prompt_token_ids, ClassificationOutput(out.outputs.data),
+                   out.finished)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True

@@ -63,6 +63,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--distributed-executor-backend", choices=["uni", "mp"], default=None,
                    help="uni: the worker runs in the engine's process (default for one "
                    "worker); mp: in a child process")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule the next step while the current one runs (default: "
+                   "docs/configuration.md)")
+    p = parser.add_argument_group("pooling (docs/configuration.md)")
+    p.add_argument("--runner", choices=["auto", "generate", "pooling"], default=d.runner,
+                   help="generate text, or pool (embeddings, classification, scores); auto: "
+                   "from the architecture. --runner pooling with no --model serves the default "
+                   "embedder (all-MiniLM-L6-v2)")
+    p.add_argument("--convert", choices=["auto", "none", "embed", "classify"], default=d.convert,
+                   help="what a pooling runner makes of a generative model (auto: embed)")
+    p.add_argument("--pooler-config", default=None,
+                   help='JSON, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' (default: '
+                   "from the architecture and sentence-transformers' modules.json)")
+    g.add_argument("--enable-prompt-embeds", action="store_true",
+                   help="accept prompts given as embeddings (prompt_embeds; docs/serving.md)")
     t = parser.add_argument_group("CPU threads (docs/configuration.md)")
     t.add_argument("--cpu-threads", type=int, default=None,
                    help="compute threads (default: OMP_NUM_THREADS, else one per CPU the "

@@ -8,8 +8,17 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from ingot.config import EngineArgs
+from ingot.engine import scoring
 from ingot.engine.llm_engine import LLMEngine, PromptType
-from ingot.engine.outputs import RequestOutput
+from ingot.engine.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from ingot.engine.pooling_params import PoolingParams
 from ingot.engine.sampling_params import SamplingParams
 from ingot.engine.tokenizer import apply_chat_template
 
@@ -68,10 +77,113 @@ class LLM:
             raise
         return self._run_engine(ids, use_tqdm)
 
-    def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    # ---- pooling models (LLM(runner="pooling")) ---------------------------------------------
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = False,
+        truncate_prompt_tokens: int | None = None,
+        pooling_task: str | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """The model's own pooled output per prompt (an embedding, or label scores)."""
+        prompt_list = self._as_prompt_list(prompts)
+        if isinstance(pooling_params, SamplingParams) or (
+            isinstance(pooling_params, list | tuple)
+            and any(isinstance(p, SamplingParams) for p in pooling_params)
+        ):
+            raise ValueError(
+                "sampling parameters do not apply to a pooling request (it returns vectors or "
+                "scores); pass PoolingParams"
+            )
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            base = pooling_params.clone() if pooling_params is not None else PoolingParams()
+            params_list = [base] * len(prompt_list)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"got {len(params_list)} pooling params for {len(prompt_list)} prompts; "
+                    "pass one, or one per prompt"
+                )
+        resolved = []
+        for p in params_list:
+            p = p.clone()
+            if truncate_prompt_tokens is not None:
+                p.truncate_prompt_tokens = truncate_prompt_tokens
+            if pooling_task is not None:
+                p.task = pooling_task
+            resolved.append(p)
+        engine = self.llm_engine
+        ids: list[str] = []
+        try:
+            for prompt, params in zip(prompt_list, resolved, strict=True):
+                ids.append(engine.add_request(None, prompt, params))
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        return self._run_engine(ids, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = False,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        outs = self.encode(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, "embed")
+        return [EmbeddingRequestOutput.from_base(o) for o in outs]
+
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = False,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        outs = self.encode(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, "classify")
+        return [ClassificationRequestOutput.from_base(o) for o in outs]
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        truncate_prompt_tokens: int | None = None,
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = False,
+    ) -> list[ScoringRequestOutput]:
+        """One score per pair (engine/scoring.py): a cross-encoder's sigmoid, or the cosine of
+        an embedding model's two vectors. One data_1 is scored against every data_2."""
+        config = self.llm_engine.model_config
+        scoring.check_can_score(config)
+        pairs = scoring.pair_up(data_1, data_2)
+        params = pooling_params.clone() if pooling_params is not None else PoolingParams()
+        if scoring.is_cross_encoder(config):
+            prompts: list[PromptType] = [
+                scoring.cross_encoder_prompt(self.llm_engine.tokenizer, a, b,
+                                             truncate_prompt_tokens, config.max_model_len)
+                for a, b in pairs
+            ]
+            params.truncate_prompt_tokens = None  # applied to the pair by the tokenizer
+            outs = self.encode(prompts, params, use_tqdm, pooling_task="score")
+            return [
+                ScoringRequestOutput(o.request_id, o.prompt_token_ids, ScoringOutput(o.outputs.data[0]))
+                for o in outs
+            ]
+        texts = [t for pair in pairs for t in pair]
+        outs = self.encode(texts, params, use_tqdm, truncate_prompt_tokens, "embed")
+        return [
+            ScoringRequestOutput(
+                a.request_id, a.prompt_token_ids + b.prompt_token_ids,
+                ScoringOutput(scoring.cosine(a.outputs.data, b.outputs.data)),
+            )
+            for a, b in zip(outs[::2], outs[1::2], strict=True)
+        ]
+
+    def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[Any]:
         engine = self.llm_engine
         pending = set(ids)
-        finished: dict[str, RequestOutput] = {}
+        finished: dict[str, Any] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
         try:
             while pending:

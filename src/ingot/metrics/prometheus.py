@@ -14,7 +14,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ingot.engine.llm_engine import LLMEngine
-from ingot.engine.outputs import RequestOutput
+from ingot.engine.outputs import PoolingRequestOutput, RequestOutput
 from ingot.metrics.stats import BucketCounter, BucketStats
 
 PREFIX = "ingot:"
@@ -138,7 +138,18 @@ class EngineMetrics:
         self.compile_cache_hits = Counter(
             metric_name("compile_cache_hits", prefix), "Graphs loaded from the compile cache", m, registry=r
         )
-        self._compile_seen = (0, 0)
+        # Async scheduling: decode steps fed by the previous step's sampled tokens, and those
+        # that had to build their inputs from the host's token lists.
+        self.async_steps = Counter(
+            metric_name("async_steps", prefix),
+            "Decode steps whose input ids were the previous step's sampled tokens", m, registry=r
+        )
+        self.sync_fallback_steps = Counter(
+            metric_name("sync_fallback_steps", prefix),
+            "Async-scheduled decode steps that fell back to host token lists", m, registry=r
+        )
+        # Worker totals already turned into counter increments, per stats key.
+        self._totals_seen: dict[str, float] = {}
         # Every child at zero from the start: a scraper sees the series (and rate() works)
         # before the first request, and a test can tell "zero" from "never exported".
         for metric in (
@@ -146,6 +157,7 @@ class EngineMetrics:
             self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue_time, self.startup,
             self.model_load, self.model_bytes, self.compilation, self.prefix_queries,
             self.prefix_hits, self.prefix_hit_rate, self.compilations, self.compile_cache_hits,
+            self.async_steps, self.sync_fallback_steps,
         ):
             self.labels(metric)
         for reason in FINISH_REASONS:
@@ -209,13 +221,27 @@ class EngineMetrics:
         if stats.get("cpu_compute_threads") is not None:
             self.labels(self.cpu_threads).set(stats["cpu_compute_threads"])
         compile_stats = stats.get("compilation", {})
-        compiled, hits = compile_stats.get("compilations", 0), compile_stats.get("cache_hits", 0)
-        seen_compiled, seen_hits = self._compile_seen
-        if compiled > seen_compiled:
-            self.labels(self.compilations).inc(compiled - seen_compiled)
-        if hits > seen_hits:
-            self.labels(self.compile_cache_hits).inc(hits - seen_hits)
-        self._compile_seen = (max(compiled, seen_compiled), max(hits, seen_hits))
+        self._count_total(self.compilations, "compilations", compile_stats.get("compilations", 0))
+        self._count_total(self.compile_cache_hits, "cache_hits", compile_stats.get("cache_hits", 0))
+        self._count_total(self.async_steps, "async_steps", stats.get("async_steps", 0))
+        self._count_total(self.sync_fallback_steps, "sync_fallback_steps",
+                          stats.get("sync_fallback_steps", 0))
+
+    def _count_total(self, counter: Counter, key: str, total: float) -> None:
+        """Advance ``counter`` to a running total the workers report (never backwards)."""
+        seen = self._totals_seen.get(key, 0)
+        if total > seen:
+            self.labels(counter).inc(total - seen)
+            self._totals_seen[key] = total
+
+    def _record_pooling(self, out: PoolingRequestOutput, now: float) -> None:
+        """A pooling request reports once, finished: its prompt tokens, success, latency."""
+        if not out.finished:
+            return
+        self.labels(self.prompt_tokens).inc(len(out.prompt_token_ids))
+        self.request_success.labels(model_name=self.model_name, finished_reason="stop").inc()
+        if out.metrics is not None:
+            self.labels(self.e2e).observe(now - out.metrics.arrival_time)
 
     def record_abort(self, engine: LLMEngine, request_id: str, num_seqs: int = 1) -> None:
         """An aborted request: one ``abort`` finish per sequence (as finished requests count one
@@ -246,12 +272,17 @@ class EngineMetrics:
                 self.executions.labels(model_name=self.model_name, bucket_name=label).inc(runs)
         self._snapshot(stats)
 
-    def record_step(self, engine: LLMEngine, outputs: list[RequestOutput], step_s: float) -> None:
+    def record_step(
+        self, engine: LLMEngine, outputs: list[RequestOutput | PoolingRequestOutput], step_s: float
+    ) -> None:
         now = time.time()
         stats = engine.get_stats()
         self._record_gauges(stats)
         self._record_buckets(stats["buckets"])
         for out in outputs:
+            if isinstance(out, PoolingRequestOutput):
+                self._record_pooling(out, now)
+                continue
             seen = self._seen.setdefault(out.request_id, _Seen())
             metrics = out.metrics
             if not seen.prompt_counted and any(c.token_ids for c in out.outputs):

@@ -56,7 +56,7 @@ def cuda_graph_capture(pool: Any = None) -> CaptureFn:
 
 def decode_key(input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple[int, int] | None:
     """(batch rows, block-table width) of a decode step; None for anything else."""
-    if meta.seq_lens is None or meta.max_query_len != 1:
+    if not meta.is_decode:
         return None
     return (input_ids.shape[0], meta.block_table.shape[1])
 

@@ -1,8 +1,14 @@
 """Turns a SchedulerOutput into model inputs, runs the model, samples.
 
-The runner keeps a small state per request (sampling params, generator, prompt and output
-tokens) so each step ships only what changed. Input preparation is vectorised: positions,
-slot mapping and block table are built with tensor ops, O(tokens) with no per-token Python.
+The runner keeps a state per request (sampling params, generator, prompt and sampled tokens,
+block ids) so each step ships only what changed (see ``core/sched_output.py``): the input tokens
+of a step are the runner's own. Input preparation is vectorised: positions, slot mapping and
+block table are built with tensor ops, O(tokens) with no per-token Python.
+
+Under async scheduling a decode step whose requests are exactly the previous decode step's, in
+the same order, takes that step's sampled-token tensor as its input ids as it is (on a device,
+no round trip through the host); any other decode step builds them from the token lists and
+counts a synchronous fallback.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from ingot.core.kv_cache_manager import NULL_BLOCK_ID, cdiv
 from ingot.core.sched_output import SchedulerOutput
 from ingot.engine.sampling_params import SamplingParams
 from ingot.model_executor.layers.attention import AttentionMetadata
+from ingot.model_executor.layers.pooler import Pooler, PoolingSegment
 from ingot.model_executor.layers.sampler import (
     LogprobsTensors,
     Sampler,
@@ -43,10 +50,21 @@ PAD_SLOT_ID = -1
 
 @dataclass
 class CachedRequestState:
-    params: SamplingParams
+    params: SamplingParams | None  # None: a pooling request (the pooler keeps its params)
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    prompt_embeds: torch.Tensor | None = None  # [prompt_len, hidden] (replaces token ids)
+    block_ids: list[int] = field(default_factory=list)
+
+    def token_ids(self, start: int, n: int) -> list[int]:
+        """Tokens at positions [start, start + n) of prompt + sampled tokens."""
+        n_prompt = len(self.prompt_token_ids)
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt : start - n_prompt + n]
+        if start + n <= n_prompt:
+            return self.prompt_token_ids[start : start + n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: start + n - n_prompt]
 
 
 def slot_mapping(
@@ -85,6 +103,14 @@ class ModelRunner:
         #: Autograd-free mode of every forward. Precompiled layers switch it to no_grad: their
         #: saved guards expect ordinary tensors (torch restores them without inference mode).
         self.grad_mode: Callable[[], AbstractContextManager[Any]] = torch.inference_mode
+        #: A pooling runner pools instead of computing logits and sampling (layers/pooler.py).
+        pooler_config = config.model_config.pooler_config
+        self.pooler = Pooler(pooler_config.pooling_type, model) if pooler_config else None
+        self.async_scheduling = config.scheduler_config.async_scheduling
+        # The previous decode step's request order and sampled tokens (async scheduling).
+        self._prev_decode: tuple[list[str], torch.Tensor] | None = None
+        self.async_steps = 0
+        self.sync_fallback_steps = 0
 
     def capture_decode_graphs(self, capture: CaptureFn | None = None) -> DecodeGraphs:
         """Capture every decode bucket of the grid (largest first, as the later, smaller graphs
@@ -121,6 +147,8 @@ class ModelRunner:
                 rows = (shape.kind, shape.num_tokens)
                 if rows in seen or (shape.kind == "prefill" and shape.start_position > 0):
                     continue
+                if shape.kind == "decode" and self.pooler is not None:
+                    continue  # a pooling runner never decodes
                 seen.add(rows)
                 ids, positions, meta, _ = self.prepare_inputs(warmup_scheduler_output(shape))
                 self.model(ids, positions, self.kv_caches, meta)
@@ -128,28 +156,63 @@ class ModelRunner:
         return time.perf_counter() - start
 
     def forget_dummy_steps(self) -> None:
-        """After warmup or graph capture: the dummy steps wrote K/V into the null block; zero
-        it again (masked-out reads must see zeros)."""
+        """After warmup or graph capture (before any request): the dummy steps wrote K/V into
+        the null block; zero it again (masked-out reads must see zeros), and drop the dummy
+        requests."""
         for kv_cache in self.kv_caches:
             kv_cache[:, NULL_BLOCK_ID].zero_()
+        self.requests.clear()
+        self._prev_decode = None
+        self.async_steps = self.sync_fallback_steps = 0
 
-    def _register(self, so: SchedulerOutput) -> None:
+    def update_states(self, so: SchedulerOutput) -> None:
+        """Apply the step's changes to the per-request state: finished requests leave, new
+        ones arrive, scheduled ones gain their new blocks."""
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
+            if self.pooler is not None:
+                self.pooler.remove_request(req_id)
         for new in so.new_requests:
+            if new.pooling_params is not None:
+                assert self.pooler is not None, "a pooling request needs --runner pooling"
+                p = new.pooling_params
+                self.pooler.add_request(new.req_id, p.task or "embed", bool(p.normalize),
+                                        p.dimensions, p.activation is not False)
+                self.requests[new.req_id] = CachedRequestState(None, list(new.prompt_token_ids))
+                continue
+            assert new.sampling_params is not None
             generator = None
             if new.sampling_params.seed is not None:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(new.sampling_params.seed)
             self.requests[new.req_id] = CachedRequestState(
-                new.sampling_params, list(new.prompt_token_ids), generator=generator
+                new.sampling_params, list(new.prompt_token_ids), generator=generator,
+                prompt_embeds=new.prompt_embeds,
             )
+        for it in so.scheduled:
+            if it.new_block_ids:
+                self.requests[it.req_id].block_ids.extend(it.new_block_ids)
+
+    def _decode_input_ids(self, so: SchedulerOutput, b_pad: int) -> torch.Tensor:
+        items = so.scheduled
+        input_ids = torch.zeros(b_pad, dtype=torch.int64, device=self.device)
+        if self.async_scheduling:
+            prev = self._prev_decode
+            if prev is not None and prev[0] == [it.req_id for it in items]:
+                self.async_steps += 1
+                input_ids[: len(items)] = prev[1]
+                return input_ids
+            self.sync_fallback_steps += 1
+        tokens = [self.requests[it.req_id].token_ids(it.start_position, 1)[0] for it in items]
+        input_ids[: len(items)] = torch.tensor(tokens, dtype=torch.int64)
+        return input_ids
 
     def prepare_inputs(
         self, so: SchedulerOutput
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Model inputs padded to the step's bucket, and the rows holding each request's last
-        token of the step.
+        """Apply the step to the request states (``update_states``), then build the model
+        inputs padded to the step's bucket, and the rows holding each request's last token of
+        the step.
 
         Prefill: the requests' segments laid end to end, padded to ``so.num_padded`` tokens;
         padded tokens repeat the last real position and get slot -1. One request attends with
@@ -159,7 +222,9 @@ class ModelRunner:
         slot -1, a block-table row of null blocks). Padding never allocates a block and never
         writes the cache.
         """
+        self.update_states(so)
         items = so.scheduled
+        states = [self.requests[it.req_id] for it in items]
         bs = self.block_size
         grid = self.grid
         num_reqs = len(items)
@@ -171,12 +236,13 @@ class ModelRunner:
             real_pos = torch.cat([torch.arange(s, s + n, dtype=torch.int64)
                                   for s, n in zip(starts, lens, strict=True)])
             positions = torch.cat([real_pos, real_pos[-1:].expand(n_pad - total)])
-            ids = [t for it in items for t in it.token_ids]
+            ids = [t for st, s, n in zip(states, starts, lens, strict=True)
+                   for t in st.token_ids(s, n)]
             input_ids = torch.tensor(ids + [0] * (n_pad - total), dtype=torch.int64)
             rows = torch.repeat_interleave(torch.arange(num_reqs), torch.tensor(lens))
             from_zero = all(s == 0 for s in starts)
             if not grid.enabled:
-                width = max(len(it.block_ids) for it in items)
+                width = max(len(st.block_ids) for st in states)
             elif from_zero:
                 # First segments attend only to themselves.
                 width = cdiv(n_pad if num_reqs == 1 else max(lens), bs)
@@ -191,21 +257,20 @@ class ModelRunner:
             positions = torch.zeros(b_pad, dtype=torch.int64)
             real_pos = torch.tensor(starts, dtype=torch.int64)
             positions[:num_reqs] = real_pos
-            input_ids = torch.zeros(b_pad, dtype=torch.int64)
-            input_ids[:num_reqs] = torch.tensor([it.token_ids[0] for it in items], dtype=torch.int64)
+            input_ids = self._decode_input_ids(so, b_pad)
             if grid.enabled:
                 assert so.ctx_bucket is not None
                 width = cdiv(so.ctx_bucket, bs)
             else:
-                width = max(len(it.block_ids) for it in items)
+                width = max(len(st.block_ids) for st in states)
             rows = torch.arange(num_reqs)
             query_lens = [1] * b_pad
             sample_rows = list(range(num_reqs))
             n_pad, total = b_pad, num_reqs
             causal = False
         table = torch.full((max(num_reqs, len(query_lens)), width), NULL_BLOCK_ID, dtype=torch.int64)
-        for row, it in enumerate(items):
-            blocks = it.block_ids[:width]
+        for row, st in enumerate(states):
+            blocks = st.block_ids[:width]
             table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
         slots = torch.full((n_pad,), PAD_SLOT_ID, dtype=torch.int64)
         slots[:total] = slot_mapping(table, rows, real_pos, bs)
@@ -217,6 +282,7 @@ class ModelRunner:
             block_size=bs,
             # Eager only: under compilation the flag would split a prefill bucket in two graphs.
             causal=causal,
+            is_decode=not so.is_prefill,
         )
         return input_ids.to(self.device), positions.to(self.device), meta, sample_rows
 
@@ -225,15 +291,24 @@ class ModelRunner:
             return self._execute_model(so)
 
     def _execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        self._register(so)
         if so.is_empty:
+            self.update_states(so)
             return ModelRunnerOutput([], [])
         input_ids, positions, meta, last_rows = self.prepare_inputs(so)
+        if so.is_prefill:
+            self._prev_decode = None
         hidden = None
         if self.decode_graphs is not None and not so.is_prefill:
             hidden = self.decode_graphs.replay(input_ids, positions, meta)
+        embeds = None
+        if so.is_prefill and self.config.model_config.enable_prompt_embeds:
+            embeds = self._prompt_embeds_inputs(so, input_ids.shape[0])
+        if hidden is None and embeds is not None:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, *embeds)
         if hidden is None:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if self.pooler is not None:  # no logits, no sampling
+            return ModelRunnerOutput([], [], pooler_output=self._pool(hidden, so, last_rows))
 
         # Which hidden rows need logits: the last real token of each sampling request, and
         # every real token of a prefill chunk whose request asked for prompt logprobs.
@@ -244,9 +319,9 @@ class ModelRunner:
             state = self.requests[it.req_id]
             if so.is_prefill and state.params.prompt_logprobs is not None:
                 # targets exist for positions < prompt_len - 1
-                n = min(len(it.token_ids), len(state.prompt_token_ids) - 1 - it.start_position)
+                n = min(it.num_tokens, len(state.prompt_token_ids) - 1 - it.start_position)
                 if n > 0:
-                    prompt_lp.append((it.req_id, last_row - len(it.token_ids) + 1, n, it.start_position))
+                    prompt_lp.append((it.req_id, last_row - it.num_tokens + 1, n, it.start_position))
             if it.sample:
                 sample_rows.append(last_row)
                 sample_reqs.append(it.req_id)
@@ -269,6 +344,8 @@ class ModelRunner:
         )
         apply_grammar_bitmask(logits, sample_reqs, so.grammar_bitmask)
         result = self.sampler(logits, metadata)
+        if not so.is_prefill:
+            self._prev_decode = (sample_reqs, result.sampled_token_ids)
         sampled = result.sampled_token_ids.tolist()
         output.sampled_token_ids = sampled
         for state, token in zip(states, sampled, strict=True):
@@ -280,6 +357,41 @@ class ModelRunner:
                     ids, lps, rank = _tensors_to_lists(result.logprobs_tensors, row, k)
                     output.logprobs[req_id] = SampledLogprobs(ids, lps, rank)
         return output
+
+    def _prompt_embeds_inputs(
+        self, so: SchedulerOutput, num_rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(inputs_embeds [rows, H], is_token_ids [rows]) for a prefill step in which some
+        request still has prompt-embeds positions (its slice from its computed tokens on, so
+        a chunked prefill continues where it stopped); None otherwise."""
+        pieces = []
+        row = 0
+        for it in so.scheduled:
+            embeds = self.requests[it.req_id].prompt_embeds
+            if embeds is not None and it.start_position < embeds.shape[0]:
+                n = min(it.num_tokens, embeds.shape[0] - it.start_position)
+                pieces.append((row, embeds[it.start_position : it.start_position + n]))
+            row += it.num_tokens
+        if not pieces:
+            return None
+        hidden = pieces[0][1].shape[1]
+        inputs = torch.zeros(num_rows, hidden, dtype=self.config.model_config.dtype)
+        is_token_ids = torch.ones(num_rows, dtype=torch.bool)
+        for start, piece in pieces:
+            inputs[start : start + piece.shape[0]] = piece
+            is_token_ids[start : start + piece.shape[0]] = False
+        return inputs.to(self.device), is_token_ids.to(self.device)
+
+    def _pool(
+        self, hidden: torch.Tensor, so: SchedulerOutput, last_rows: list[int]
+    ) -> dict[str, list[float]]:
+        assert self.pooler is not None
+        segments = [
+            PoolingSegment(it.req_id, row - it.num_tokens + 1, it.num_tokens, it.start_position,
+                           it.sample)
+            for it, row in zip(so.scheduled, last_rows, strict=True)
+        ]
+        return self.pooler(hidden, segments)
 
     def _prompt_logprobs(
         self,

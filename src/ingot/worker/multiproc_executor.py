@@ -2,7 +2,9 @@
 
 Each rank is a spawned process holding one Worker. Calls travel over pyzmq: the parent
 sends the pickled call once per rank (one PUSH socket each) and collects one reply per rank on
-a shared PULL socket; only rank 0's ``execute_model`` result is kept. A worker that raises
+a shared PULL socket; only rank 0's ``execute_model`` result is kept. Calls are answered in the
+order they were sent, so a step sent without waiting (async scheduling) is a pending reply that
+is collected when its result is needed, after those before it. A worker that raises
 replies with the error, which the parent re-raises (the engine then fails the in-flight
 requests); a worker process that dies is noticed within ``_POLL_S`` while waiting, and by
 ``check_health`` between steps. Children watch their parent and exit if it disappears.
@@ -20,14 +22,18 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import zmq
 
 from ingot.config import EngineConfig
+from ingot.core.sched_output import SchedulerOutput
 from ingot.errors import IngotError
 from ingot.worker.executor import Executor, RpcMethod, run_on_worker
+from ingot.worker.outputs import ModelRunnerOutput
 
 logger = logging.getLogger("ingot")
 
@@ -98,6 +104,18 @@ def _cleanup(procs: list[Any], ctx: zmq.Context, tmpdir: str) -> None:
     shutil.rmtree(tmpdir, ignore_errors=True)
 
 
+class _Reply(Future):
+    """A call's replies, collected (in send order) when the result is asked for."""
+
+    def __init__(self, executor: MultiprocExecutor) -> None:
+        super().__init__()
+        self._executor = executor
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._executor._collect_until(self)
+        return super().result(timeout)
+
+
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -110,6 +128,8 @@ class MultiprocExecutor(Executor):
         self._inboxes = []
         self._procs = []
         self._dead: str | None = None
+        # Calls sent whose replies are not collected yet, oldest first.
+        self._pending: deque[tuple[_Reply, str, Callable[[list[Any]], Any]]] = deque()
         spawn = multiprocessing.get_context("spawn")
         level = logging.getLogger("ingot").getEffectiveLevel()
         for rank in range(self.world_size):
@@ -150,16 +170,38 @@ class MultiprocExecutor(Executor):
                 )
         return [replies[r] for r in range(self.world_size)]
 
-    def collective_rpc(
-        self, method: RpcMethod, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
-    ) -> list[Any]:
+    def _send(self, method: RpcMethod, args: Sequence[Any], kwargs: dict[str, Any] | None,
+              pick: Callable[[list[Any]], Any]) -> _Reply:
         if self._dead is not None:
             raise WorkerProcessError(f"the workers are down ({self._dead}); restart the engine")
         message = pickle.dumps((method, tuple(args), kwargs or {}), protocol=pickle.HIGHEST_PROTOCOL)
         for sock in self._inboxes:
             sock.send(message)
+        reply = _Reply(self)
         name = method if isinstance(method, str) else getattr(method, "__name__", "rpc")
-        return self._gather(what=name)
+        self._pending.append((reply, name, pick))
+        return reply
+
+    def _collect_until(self, reply: _Reply) -> None:
+        while not reply.done() and self._pending:
+            pending, name, pick = self._pending.popleft()
+            try:
+                if self._dead is not None:
+                    raise WorkerProcessError(f"the workers are down ({self._dead})")
+                pending.set_result(pick(self._gather(what=name)))
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on it
+                pending.set_exception(exc)
+
+    def collective_rpc(
+        self, method: RpcMethod, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        return self._send(method, args, kwargs, list).result()
+
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        reply = self._send("execute_model", (scheduler_output,), None, lambda r: r[0])
+        return reply if non_block else reply.result()
 
     def check_health(self) -> None:
         for rank, proc in enumerate(self._procs):
@@ -172,6 +214,8 @@ class MultiprocExecutor(Executor):
     def shutdown(self) -> None:
         if not self._finalizer.alive:
             return
+        if self._pending:  # let the steps in flight finish (their errors are theirs)
+            self._collect_until(self._pending[-1][0])
         if self._dead is None:
             try:
                 message = pickle.dumps((_SHUTDOWN, (), {}))

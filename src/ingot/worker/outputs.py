@@ -4,6 +4,7 @@ under the multiprocess executor)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -31,4 +32,9 @@ class ModelRunnerOutput:
     sampled_token_ids: list[int]
     logprobs: dict[str, SampledLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+    # Pooling runner: the finished requests' outputs (embedding, or label scores).
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)
+    # The worker's runtime counters after this step (Worker.runtime_stats): they travel with
+    # the output so reading stats never waits behind the steps in flight.
+    runtime_stats: dict[str, Any] | None = None
 

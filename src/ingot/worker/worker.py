@@ -16,6 +16,7 @@ import torch
 from ingot.config import EngineConfig
 from ingot.core.kv_cache_manager import cdiv
 from ingot.core.sched_output import SchedulerOutput
+from ingot.model_executor.layers.linear import resident_weight_bytes
 from ingot.model_executor.loader.model_loader import load_model
 from ingot.model_executor.models.llama import head_dim_of
 from ingot.platforms import resolve_platform
@@ -176,9 +177,12 @@ class Worker:
         self.cpu_threads = start_cpu_threads(config) if self.device.type == "cpu" else None
         torch.manual_seed(config.model_config.seed)
         start = time.perf_counter()
-        self.model = load_model(config.model_config, self.device)
+        self.model = load_model(config.model_config, self.device,
+                                keep_plain_weights=config.compilation.enabled)
         self.load_seconds = time.perf_counter() - start
-        self.load_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # What the weights occupy, the kernels' derived layouts included (the KV budget is
+        # what memory they leave).
+        self.load_bytes = resident_weight_bytes(self.model)
         self.profiler = StepProfiler(
             ProfilerConfig.from_dict(config.additional_config.get("profiler")),
             rank=rank,
@@ -244,7 +248,15 @@ class Worker:
         """What changes while serving: compilation counters and the CPU compute threads in
         use (None without a CPU thread policy)."""
         threads = self.cpu_threads.current if self.cpu_threads is not None else None
-        return {"compilation": self.compile_stats(), "cpu_compute_threads": threads}
+        runner = self.model_runner
+        return {
+            "compilation": self.compile_stats(),
+            "cpu_compute_threads": threads,
+            "async_steps": runner.async_steps if runner is not None else 0,
+            "sync_fallback_steps": runner.sync_fallback_steps if runner is not None else 0,
+            # Requests the runner holds state for (0 once every finished id has reached it).
+            "num_runner_requests": len(runner.requests) if runner is not None else 0,
+        }
 
     def compile_stats(self) -> dict[str, Any]:
         """Compilation counters (plain numbers; all zero when running eagerly)."""
@@ -288,6 +300,7 @@ class Worker:
             output = self.model_runner.execute_model(scheduler_output)
         if not scheduler_output.is_empty:
             self.profiler.step()
+        output.runtime_stats = self.runtime_stats()
         return output
 
     def profile(self, is_start: bool) -> str | None:

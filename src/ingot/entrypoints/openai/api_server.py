@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn): `ingot serve`.
 
 Routes follow vLLM: /v1/completions, /v1/chat/completions, /v1/models[/{model}], /health, /version,
-/tokenize, /detokenize, /metrics, /start_profile, /stop_profile. Every error a client can cause
+/tokenize, /detokenize, /metrics, /start_profile, /stop_profile; for pooling models
+(--runner pooling) /v1/embeddings, /pooling, /classify, /score, /v1/score, /rerank, /v1/rerank. Every error a client can cause
 gets OpenAI's error JSON and the right status; the server keeps serving.
 """
 
@@ -33,14 +34,20 @@ from ingot.engine.tokenizer import apply_chat_template
 from ingot.entrypoints.openai.access_log import AccessLogMiddleware
 from ingot.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ClassificationRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
+    PoolingRequest,
     RequestValueError,
+    RerankRequest,
+    ScoreRequest,
     TokenizeRequest,
     message_dicts,
     now,
 )
 from ingot.entrypoints.openai.serving import ChatOptions, OpenAIServing, sse
+from ingot.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from ingot.errors import PromptTooLongError
 from ingot.metrics.prometheus import EngineMetrics
 from ingot.version import __version__
@@ -300,6 +307,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: EngineMetrics
         app.add_middleware(AccessLogMiddleware)  # added last: outermost, sees 401s and 413s
     serving = OpenAIServing(engine, settings.served_model_name, settings.log_requests,
                             settings.chat_options)
+    pooling = OpenAIServingPooling(engine, settings.served_model_name)
     model_config = engine.engine.model_config
 
     @app.exception_handler(HTTPError)
@@ -368,10 +376,19 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: EngineMetrics
 
         return StreamingResponse(guarded(), media_type="text/event-stream")
 
+    def check_generative(route: str) -> None:
+        if model_config.is_pooling:
+            raise bad_request(
+                f"{route} generates text, and this server runs {model_config.architecture} as a "
+                "pooling model (--runner pooling); use /v1/embeddings, /pooling, /classify, "
+                "/score or /rerank, or serve a generative model", "model",
+            )
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await parse_body(request, CompletionRequest, settings.max_body_bytes)
         check_model(body.model)
+        check_generative("/v1/completions")
         check_running()
         if body.stream:
             # Prepared before the response starts, so a bad request still gets its status.
@@ -384,12 +401,41 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: EngineMetrics
     async def chat_completions(request: Request) -> Response:
         body = await parse_body(request, ChatCompletionRequest, settings.max_body_bytes)
         check_model(body.model)
+        check_generative("/v1/chat/completions")
         check_running()
         if body.stream:
             prompt, params = serving.prepare_chat(body)
             await serving.check_constraints([params], body.constraint_field)
             return stream_response(serving.chat_stream(body, prompt, params))
         return JSONResponse(await _until_disconnected(request, serving.chat(body)))
+
+    async def pooling_route(request: Request, model: type[M], handler: Any) -> Response:
+        body = await parse_body(request, model, settings.max_body_bytes)
+        check_model(body.model)
+        check_running()
+        return JSONResponse(await _until_disconnected(request, handler(body)))
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await pooling_route(request, EmbeddingRequest, pooling.embeddings)
+
+    @app.post("/pooling")
+    async def pooling_output(request: Request) -> Response:
+        return await pooling_route(request, PoolingRequest, pooling.pooling)
+
+    @app.post("/classify")
+    async def classify(request: Request) -> Response:
+        return await pooling_route(request, ClassificationRequest, pooling.classify)
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score(request: Request) -> Response:
+        return await pooling_route(request, ScoreRequest, pooling.score)
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    async def rerank(request: Request) -> Response:
+        return await pooling_route(request, RerankRequest, pooling.rerank)
 
     def model_card() -> dict[str, Any]:
         return {

@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ingot.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -133,7 +133,10 @@ class _SamplingFields(OpenAIModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] | None = None
+    # --enable-prompt-embeds: base64 safetensors (preferred) or torch.save bytes of a
+    # [seq_len, hidden] tensor, one per prompt (engine/prompt_embeds.py decodes them).
+    prompt_embeds: str | list[str] | None = None
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -323,6 +326,62 @@ class DetokenizeRequest(OpenAIModel):
     tokens: list[int]
 
 
+# ---- pooling routes (vLLM's shapes): /v1/embeddings, /pooling, /classify, /score, /rerank ----
+
+# input: one text, several texts, one token-id prompt, or several.
+PoolingInput = str | list[str] | list[int] | list[list[int]]
+
+
+class _PoolingFields(OpenAIModel):
+    model: str | None = None
+    user: str | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_sampling(cls, data: Any) -> Any:
+        # Named before the generic "unrecognized argument": a client sending temperature to an
+        # embedding route should learn why it cannot apply.
+        if isinstance(data, dict):
+            sampling = sorted(set(data) & SAMPLING_FIELDS)
+            if sampling:
+                raise ValueError(
+                    f"{', '.join(sampling)}: sampling parameters do not apply to a pooling "
+                    "request (it returns vectors or scores, it does not generate); remove them"
+                )
+        return data
+
+
+class EmbeddingRequest(_PoolingFields):
+    input: PoolingInput
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    normalize: bool | None = None
+    add_special_tokens: bool = True
+
+
+class PoolingRequest(EmbeddingRequest):
+    """/pooling: the model's own output (an embedding, or a classifier's label scores)."""
+
+    activation: bool | None = None
+
+
+class ClassificationRequest(_PoolingFields):
+    input: PoolingInput
+    activation: bool | None = None
+
+
+class ScoreRequest(_PoolingFields):
+    text_1: str | list[str]
+    text_2: str | list[str]
+
+
+class RerankRequest(_PoolingFields):
+    query: str
+    documents: list[str]
+    top_n: int = Field(0, ge=0)  # 0: every document
+
+
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -347,3 +406,9 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+
+
+SAMPLING_FIELDS = frozenset(
+    set(_SamplingFields.model_fields) - {"model", "user", "stream", "stream_options"}
+    | {"max_completion_tokens", "logprobs", "top_logprobs", "best_of", "echo", "suffix"}
+)

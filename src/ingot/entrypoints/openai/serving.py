@@ -13,6 +13,7 @@ from typing import Any
 
 from ingot.engine.async_engine import AsyncLLM
 from ingot.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from ingot.engine.prompt_embeds import PROMPT_EMBEDS_PLACEHOLDER, decode_prompt_embeds
 from ingot.engine.sampling_params import SamplingParams
 from ingot.engine.tokenizer import apply_chat_template
 from ingot.entrypoints.openai.access_log import record_usage
@@ -37,7 +38,8 @@ request_logger = logging.getLogger("ingot.requests")
 @dataclass
 class PreparedPrompt:
     text: str | None
-    token_ids: list[int]
+    token_ids: list[int]  # placeholders, one per row, for a prompt_embeds prompt
+    embeds: Any = None  # a checked [seq_len, hidden] tensor (prompt_embeds)
     tools: ToolRequest | None = None  # chat: the request's tool settings
 
 
@@ -246,7 +248,7 @@ class OpenAIServing:
             chat_template=template,
             **kwargs,
         )
-        return PreparedPrompt(text, tokenizer.encode(text, add_special_tokens=False), tools)
+        return PreparedPrompt(text, tokenizer.encode(text, add_special_tokens=False), tools=tools)
 
     @staticmethod
     def _tools_template(tokenizer: Any) -> str | None:
@@ -299,16 +301,48 @@ class OpenAIServing:
                                     len(p.token_ids), params)
         return [
             self.engine.generate(
-                {"prompt": p.text, "prompt_token_ids": p.token_ids}, params, f"{prefix}-{i}"
+                {"prompt_embeds": p.embeds} if p.embeds is not None
+                else {"prompt": p.text, "prompt_token_ids": p.token_ids},
+                params, f"{prefix}-{i}",
             )
             for i, (p, params) in enumerate(zip(prompts, params_list, strict=True))
         ]
 
     # ---- completions ---------------------------------------------------------------------
+    def embeds_prompts(self, data: str | list[str]) -> list[PreparedPrompt]:
+        """Decoded, checked prompt_embeds (engine/prompt_embeds.py), refused when off."""
+        mc = self.engine.engine.model_config
+        if not mc.enable_prompt_embeds:
+            raise RequestValueError(
+                "prompt_embeds is off on this server; start it with --enable-prompt-embeds",
+                "prompt_embeds",
+            )
+        items = [data] if isinstance(data, str) else list(data)
+        if not items:
+            raise RequestValueError("prompt_embeds is empty", "prompt_embeds")
+        prepared = []
+        for item in items:
+            try:
+                embeds = decode_prompt_embeds(item, mc.hidden_size, mc.max_model_len)
+            except ValueError as exc:
+                raise RequestValueError(str(exc), "prompt_embeds") from None
+            prepared.append(PreparedPrompt(None, [PROMPT_EMBEDS_PLACEHOLDER] * embeds.shape[0],
+                                           embeds))
+        return prepared
+
     def prepare_completion(
         self, request: CompletionRequest
     ) -> tuple[list[PreparedPrompt], list[SamplingParams]]:
-        prompts = self.completion_prompts(request.prompt)
+        if request.prompt_embeds is not None:
+            if request.prompt is not None:
+                raise RequestValueError("give prompt or prompt_embeds, not both", "prompt_embeds")
+            prompts = self.embeds_prompts(request.prompt_embeds)
+        elif request.prompt is None:
+            raise RequestValueError(
+                "prompt is required (or prompt_embeds, with --enable-prompt-embeds)", "prompt"
+            )
+        else:
+            prompts = self.completion_prompts(request.prompt)
         params_list = []
         for p in prompts:
             check_prompt_fits(len(p.token_ids), None, self.max_model_len)

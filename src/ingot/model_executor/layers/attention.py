@@ -46,7 +46,10 @@ class AttentionMetadata:
     # is exact for the real rows (padded rows, whose outputs are dropped, may see unwritten
     # slots) and lets the kernel skip the blocks above the diagonal.
     causal: bool = False
-    # Decode (one token per request): keys each request attends to (its position + 1).
+    # The step's kind, as the scheduler decided it (never re-derived from the shapes): decode =
+    # one token per request. Kernels choose their decode program from this.
+    is_decode: bool = False
+    # Decode: keys each request attends to (its position + 1).
     seq_lens: torch.Tensor | None = None
 
     @classmethod
@@ -58,9 +61,11 @@ class AttentionMetadata:
         block_table: torch.Tensor,
         block_size: int | None = None,
         causal: bool = False,
+        is_decode: bool = False,
     ) -> AttentionMetadata:
         """Derive the grid layout from per-request query lengths (host side, O(T)). ``causal``:
-        a single request whose query starts at position 0 (see the field)."""
+        a single request whose query starts at position 0 (see the field). ``is_decode``: the
+        step is a decode step (every query length 1)."""
         device = positions.device
         num_reqs = len(query_lens)
         max_q = max(query_lens) if query_lens else 1
@@ -74,6 +79,8 @@ class AttentionMetadata:
         grid_positions = torch.zeros(num_reqs * max_q, dtype=torch.int64, device=device)
         grid_positions[token_to_grid] = positions[:total].to(torch.int64)
         grid_positions = grid_positions.view(num_reqs, max_q)
+        if is_decode and max_q != 1:
+            raise ValueError(f"a decode step has one token per request, got up to {max_q}")
         causal = causal and num_reqs == 1 and total == max_q
         attn_mask = None
         if block_size is not None and not causal:
@@ -93,7 +100,8 @@ class AttentionMetadata:
             write_slots=slot_mapping.clamp(min=0),
             write_valid=(slot_mapping >= 0).view(-1, 1, 1),
             causal=causal,
-            seq_lens=grid_positions[:, 0] + 1 if max_q == 1 else None,
+            is_decode=is_decode,
+            seq_lens=grid_positions[:, 0] + 1 if is_decode else None,
         )
 
 
@@ -178,8 +186,7 @@ def cpu_decode_applies(
     cache (FP8 caches keep the torch path), no FP8 calibration running."""
     return (
         cpu_kernels is not None
-        and meta.seq_lens is not None
-        and query.shape[0] == meta.num_reqs
+        and meta.is_decode
         and kv_cache.dtype == torch.bfloat16
         and query.dtype == torch.bfloat16
         and not (kv_scales is not None and kv_scales.calibrating)
@@ -268,6 +275,49 @@ def paged_attention(
             mask &= key_pos > qpos - sliding_window
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=gqa
+    )
+    out = out.transpose(1, 2).reshape(num_reqs * max_q, num_heads * head_dim)
+    if identity:
+        return out
+    result = query.new_zeros(num_tokens, num_heads * head_dim)
+    result[:n] = out[meta.token_to_grid]
+    return result
+
+
+def encoder_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Bidirectional attention within each request of a prefill step (encoder-only models):
+    every real token attends to every real token of its own request, in both directions, and
+    nothing is cached (a request's whole prompt is in the step; the scheduler never splits it).
+
+    query/key/value [T, H, D] -> [T, H * D] (rows past the actual tokens are zero). Real keys
+    are those with a slot: a lone request's bucket padding carries slot -1 and must not be
+    attended to, or padding would change the real tokens' outputs."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_reqs, max_q = meta.num_reqs, meta.max_query_len
+    n = meta.num_actual_tokens
+    identity = meta.grid_is_identity and num_tokens == num_reqs * max_q
+
+    def to_grid(x: torch.Tensor) -> torch.Tensor:
+        if identity:
+            return x.reshape(num_reqs, max_q, num_heads, head_dim).transpose(1, 2)
+        grid = x.new_zeros(num_reqs * max_q, num_heads, head_dim)
+        grid[meta.token_to_grid] = x[:n]
+        return grid.view(num_reqs, max_q, num_heads, head_dim).transpose(1, 2)
+
+    key_ok = torch.zeros(num_reqs * max_q, dtype=torch.bool, device=query.device)
+    key_ok[meta.token_to_grid] = meta.slot_mapping[:n] >= 0
+    key_ok = key_ok.view(num_reqs, max_q)
+    # A row with no real key (a warm-up dummy) would softmax over nothing and give NaN.
+    key_ok |= ~key_ok.any(dim=-1, keepdim=True)
+    out = F.scaled_dot_product_attention(
+        to_grid(query), to_grid(key), to_grid(value),
+        attn_mask=key_ok[:, None, None, :], scale=scale,
     )
     out = out.transpose(1, 2).reshape(num_reqs * max_q, num_heads * head_dim)
     if identity:

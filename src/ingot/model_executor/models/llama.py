@@ -186,8 +186,14 @@ class DecoderModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
+        is_token_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        if inputs_embeds is not None:
+            # Prompt embeddings: rows that are not token ids take the given embedding.
+            assert is_token_ids is not None
+            hidden = torch.where(is_token_ids[:, None], hidden, inputs_embeds.to(hidden.dtype))
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
@@ -238,7 +244,13 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
+        is_token_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``inputs_embeds`` [T, H] / ``is_token_ids`` [T]: a step with prompt embeddings
+        (engine/prompt_embeds.py); given together or not at all."""
+        if inputs_embeds is not None:
+            return self.model(input_ids, positions, kv_caches, meta, inputs_embeds, is_token_ids)
         fast = self.cpu_decode
         if fast is not None and fast.applies(input_ids, kv_caches, meta):
             return fast.forward(input_ids, positions, kv_caches, meta)

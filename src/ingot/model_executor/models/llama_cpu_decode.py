@@ -109,8 +109,7 @@ class LlamaCpuDecode:
         self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
     ) -> bool:
         return (
-            meta.seq_lens is not None
-            and input_ids.numel() == meta.num_reqs
+            meta.is_decode
             and input_ids.device.type == "cpu"
             and kv_caches[0].dtype == torch.bfloat16
             and not any(layer[-1].calibrating for layer in self.layers)
