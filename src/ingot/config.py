@@ -179,6 +179,48 @@ class CpuThreadsConfig:
     adaptive: bool = True
 
 
+STRUCTURED_OUTPUT_BACKENDS = ("xgrammar", "auto")  # auto = xgrammar, the only backend
+
+
+@dataclass
+class StructuredOutputsConfig:
+    """--structured-outputs-config: how constraints compile (structured_output/manager.py)."""
+
+    backend: str = "xgrammar"
+    #: A grammar whose compile takes longer fails its request (a 400), not the engine.
+    compile_timeout_s: float = 10.0
+    #: Longest run of whitespace a JSON constraint allows between tokens (None: unbounded), so
+    #: a model cannot loop on newlines until max_tokens (a known vLLM complaint).
+    max_json_whitespace: int | None = 16
+    #: Compiled grammars kept, keyed by (kind, spec text, options).
+    cache_size: int = 256
+
+    @classmethod
+    def from_dict(cls, value: dict[str, Any]) -> StructuredOutputsConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown structured_outputs_config key(s): {', '.join(unknown)}; known: "
+                f"{', '.join(sorted(known))}"
+            )
+        config = cls(**value)
+        if config.backend not in STRUCTURED_OUTPUT_BACKENDS:
+            raise ValueError(
+                f"structured outputs backend {config.backend!r} is not supported; use xgrammar "
+                "(or auto, which means xgrammar)"
+            )
+        config.backend = "xgrammar"
+        timeout = config.compile_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+            raise ValueError(f"compile_timeout_s must be a number > 0, got {timeout!r}")
+        ws = config.max_json_whitespace
+        if ws is not None and (isinstance(ws, bool) or not isinstance(ws, int) or ws < 1):
+            raise ValueError(f"max_json_whitespace must be an integer >= 1 or null, got {ws!r}")
+        _positive("cache_size", config.cache_size)
+        return config
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig
@@ -190,6 +232,7 @@ class EngineConfig:
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     cpu_threads: CpuThreadsConfig = field(default_factory=CpuThreadsConfig)
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
 
 def resolve_model_path(model: str | None, default_embedder: bool = False) -> tuple[str, str]:
@@ -297,6 +340,8 @@ class EngineArgs:
     pooler_config: dict[str, Any] | str | None = None
     # vLLM's flag: accept prompt_embeds tensors (off: a request with embeds is an error).
     enable_prompt_embeds: bool = False
+    # vLLM's --structured-outputs-config (JSON): {"backend": "xgrammar", ...}.
+    structured_outputs_config: dict[str, Any] | str | None = None
 
     @staticmethod
     def _json_arg(name: str, value: dict[str, Any] | str | None) -> dict[str, Any]:
@@ -420,6 +465,9 @@ class EngineArgs:
                 f"distributed_executor_backend {backend!r} is not supported; use "
                 f"{' or '.join(EXECUTOR_BACKENDS)}"
             )
+        structured_outputs = StructuredOutputsConfig.from_dict(
+            self._json_arg("structured_outputs_config", self.structured_outputs_config)
+        )
         cpu_threads = CpuThreadsConfig(self.cpu_threads, self.cpu_threads_bind,
                                        bool(self.cpu_adaptive_threads))
         if platform.name == "cpu":  # bad thread settings fail here, before the model loads
@@ -470,6 +518,7 @@ class EngineArgs:
             buckets=buckets,
             compilation=compilation,
             cpu_threads=cpu_threads,
+            structured_outputs=structured_outputs,
         )
 
     def _async_scheduling(self, runner: str) -> bool:

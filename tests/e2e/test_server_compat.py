@@ -101,13 +101,15 @@ def test_noop_fields_are_accepted_and_change_nothing(client):
     assert cmpl.usage.completion_tokens >= 1
 
 
-def test_tools_still_refused(client):
+def test_auto_tools_need_the_server_flag(client):
+    """Without --enable-auto-tool-choice the default tool_choice (auto) is a 400 that says so."""
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
             model="tiny", messages=MESSAGES, parallel_tool_calls=True,
             tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
         )
-    assert info.value.body["param"] == "tools"
+    assert info.value.body["param"] == "tool_choice"
+    assert "--enable-auto-tool-choice" in info.value.body["message"]
 
 
 def test_retrieve_model(server, client):

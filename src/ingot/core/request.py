@@ -63,6 +63,10 @@ class Request:
         self.stop_reason: int | None = None  # the stop token id that ended it
         self.arrival_time = arrival_time or time.time()
         self.first_scheduled_time: float | None = None
+        # A grammar constrains its tokens (its matcher lives in the StructuredOutputManager).
+        self.use_structured_output = (
+            sampling_params is not None and sampling_params.structured_outputs is not None
+        )
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ingot.engine.pooling_params import PoolingParams
@@ -46,6 +47,16 @@ class ScheduledRequest:
 
 
 @dataclass
+class GrammarBitmask:
+    """Allowed next tokens of the step's constrained requests: row i of ``bitmask`` (int32,
+    ``[len(req_ids), ceil(vocab / 32)]``, bit ``t % 32`` of word ``t // 32`` set = token t
+    allowed) belongs to ``req_ids[i]``. Requests not listed are unconstrained."""
+
+    req_ids: list[str]
+    bitmask: np.ndarray
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     new_requests: list[NewRequestData] = field(default_factory=list)
@@ -56,6 +67,8 @@ class SchedulerOutput:
     num_padded: int = 0
     # Decode with context buckets: the context bucket the batch reads up to (None otherwise).
     ctx_bucket: int | None = None
+    # Grammar masks for the requests that sample this step under a constraint (None: none do).
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

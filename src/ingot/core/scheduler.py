@@ -33,6 +33,7 @@ from ingot.core.outputs import EngineCoreOutput
 from ingot.core.request import Request, RequestStatus
 from ingot.core.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
 from ingot.metrics.stats import BucketStats
+from ingot.structured_output.manager import StructuredOutputManager, TokenVerdict
 from ingot.worker.outputs import ModelRunnerOutput
 
 
@@ -50,9 +51,15 @@ def max_kv_concurrency(num_blocks: int, block_size: int, max_model_len: int, max
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, grid: BucketGrid
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        grid: BucketGrid,
+        structured_output: StructuredOutputManager | None = None,
     ) -> None:
         self.config = config
+        # Grammar state of constrained requests: masks for each step, advanced with the tokens.
+        self.structured_output = structured_output
         self.kv = kv_cache_manager
         self.grid = grid
         self.max_kv_concurrent = max_kv_concurrency(
@@ -90,6 +97,8 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request_id)
+        if request.use_structured_output and self.structured_output is not None:
+            self.structured_output.remove_request(request_id)
         self._finished_ids.add(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -157,6 +166,9 @@ class Scheduler:
         if request.sampling_params is None:  # a pooling request never decodes
             return False
         pending = request.num_output_placeholders
+        if pending and request.use_structured_output:
+            # Async scheduling: its next grammar mask depends on the token still in flight.
+            return False
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is not None and len(request.output_token_ids) + pending >= max_tokens:
             return False
@@ -182,6 +194,13 @@ class Scheduler:
         return ScheduledRequest(request.request_id, n, start, new_block_ids, sample)
 
     def schedule(self) -> SchedulerOutput:
+        so = self._schedule_step()
+        manager = self.structured_output
+        if manager is not None and manager.num_requests and so.scheduled:
+            so.grammar_bitmask = manager.grammar_bitmask(so.scheduled)
+        return so
+
+    def _schedule_step(self) -> SchedulerOutput:
         self._admit()
         new_requests: list[NewRequestData] = []
         prefilling = [r for r in self.running if self._in_prefill(r)]
@@ -277,6 +296,12 @@ class Scheduler:
             if lp is not None:
                 out.new_logprobs.append(lp)
             status = self._check_stop(request, token)
+            if request.use_structured_output and self.structured_output is not None:
+                verdict = self.structured_output.accept_token(req_id, token)
+                if verdict is TokenVerdict.REJECTED:
+                    status = RequestStatus.FINISHED_ABORTED
+                elif verdict is TokenVerdict.TERMINATED:  # complete, even on the last token
+                    status = RequestStatus.FINISHED_STOPPED
             if status is not None:
                 out.finish_status = status
                 out.stop_reason = request.stop_reason

@@ -23,6 +23,8 @@ from ingot.core.outputs import EngineCoreOutput
 from ingot.core.request import Request, RequestStatus
 from ingot.core.sched_output import SchedulerOutput
 from ingot.core.scheduler import Scheduler
+from ingot.engine.sampling_params import SamplingParams
+from ingot.structured_output.manager import StructuredOutputManager
 from ingot.worker.executor import Executor, RpcMethod
 from ingot.worker.outputs import ModelRunnerOutput
 
@@ -30,7 +32,9 @@ logger = logging.getLogger("ingot")
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Any | None = None) -> None:
+        """``tokenizer``: the HF tokenizer, which grammars compile against (None: no
+        structured outputs)."""
         self.config = config
         self.executor = Executor.get_class(config)(config)
         try:
@@ -44,7 +48,12 @@ class EngineCore:
             config.model_config.max_model_len,
             enable_prefix_caching=config.cache_config.enable_prefix_caching,
         )
-        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, config.buckets)
+        self.structured_output = StructuredOutputManager(
+            tokenizer, config.model_config.vocab_size, config.structured_outputs
+        )
+        self.scheduler = Scheduler(
+            config.scheduler_config, self.kv_cache_manager, config.buckets, self.structured_output
+        )
         logger.info(
             "bucket grid: %s; at most %d requests at once (KV bound); up to %d prompts per "
             "prefill step",
@@ -62,7 +71,16 @@ class EngineCore:
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        """Queue a request; a constraint that does not compile raises ``ValueError`` here."""
+        if request.use_structured_output:
+            self.structured_output.add_request(request)
         self.scheduler.add_request(request)
+
+    def compile_structured_output(self, params: SamplingParams) -> None:
+        """Compile ``params``' constraint now (then cached): the server calls it before a
+        stream starts, so a bad schema is a 400 rather than an error event."""
+        if params.structured_outputs is not None:
+            self.structured_output.compile(params.structured_outputs)
 
     def finish_requests(self, request_ids: Sequence[str], status: RequestStatus) -> None:
         """Abort (or, for a stop string the front end found, stop) requests; frees blocks."""
@@ -159,4 +177,5 @@ class EngineCore:
         }
 
     def shutdown(self) -> None:
+        self.structured_output.shutdown()
         self.executor.shutdown()

@@ -83,7 +83,7 @@ class LLMEngine:
         self.config = config
         self.model_config = config.model_config
         self.tokenizer = load_tokenizer(config.model_config)
-        self.engine_core = EngineCore(config)
+        self.engine_core = EngineCore(config, self.tokenizer)
         self.eos_token_ids = self._eos_token_ids()
         self.requests: dict[str, _ReqState] = {}
         self.parents: dict[str, _Parent] = {}
@@ -182,14 +182,22 @@ class LLMEngine:
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             detok_context = token_ids if embeds is None else []
             children.append(self._make_request(child_id, detok_context, child_params, arrival_time))
+        added: list[str] = []
+        try:
+            for child in children:
+                self.engine_core.add_request(
+                    Request(child.request_id, token_ids, child.params, child.metrics.arrival_time,
+                            prompt_embeds=embeds, cache_salt=salt)
+                )
+                added.append(child.request_id)
+        except BaseException:
+            # A constraint that does not compile fails this request only, with nothing left.
+            self.engine_core.finish_requests(added, RequestStatus.FINISHED_ABORTED)
+            raise
         self.parents[request_id] = _Parent(request_id, [c.request_id for c in children], text, token_ids)
         for child in children:
             self.requests[child.request_id] = child
             self._child_to_parent[child.request_id] = request_id
-            self.engine_core.add_request(
-                Request(child.request_id, token_ids, child.params, child.metrics.arrival_time,
-                        prompt_embeds=embeds, cache_salt=salt)
-            )
         return request_id
 
     def _prompt_embeds(self, prompt: PromptType, params: SamplingParams) -> Any:

@@ -7,8 +7,10 @@ field and saying what would be accepted, so the HTTP layer can turn it into a 40
 from __future__ import annotations
 
 import copy
+import json as _json
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any
 
 _SAMPLING_EPS = 1e-5
 
@@ -17,6 +19,108 @@ class SamplingType(IntEnum):
     GREEDY = 0
     RANDOM = 1
     RANDOM_SEED = 2
+
+
+# The constraint kinds of StructuredOutputsParams; a request sets exactly one of them.
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the generated text (vLLM's fields), enforced with a grammar mask.
+
+    ``json``: a JSON schema (dict, JSON text, or a pydantic model class); ``regex``: the text
+    fully matches it; ``choice``: the text is one of these strings; ``grammar``: an EBNF (GBNF)
+    grammar; ``json_object``: any JSON object; ``structural_tag``: xgrammar's structural tag
+    (JSON text or dict). ``disable_any_whitespace``: JSON without free whitespace;
+    ``disable_additional_properties``: objects without ``additionalProperties`` allow none
+    (xgrammar's strict mode, on by default for ingot as for vLLM's xgrammar backend, so the flag
+    only confirms it); ``whitespace_pattern`` is an outlines option that xgrammar has no
+    equivalent for, so it is rejected rather than ignored.
+    """
+
+    json: str | dict[str, Any] | Any | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    #: Set by the server's --reasoning-parser: the constraint starts once the output contains
+    #: this token sequence (the end of the reasoning, "</think>"); before it, tokens are free.
+    reasoning_end_token_ids: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, type) and hasattr(self.json, "model_json_schema"):
+            self.json = self.json.model_json_schema()  # a pydantic model class
+        if isinstance(self.structural_tag, dict):
+            self.structural_tag = _json.dumps(self.structural_tag)
+        kinds = self.kinds
+        if len(kinds) != 1:
+            named = ", ".join(kinds) if kinds else "none"
+            raise ValueError(
+                "structured_outputs needs exactly one constraint kind of "
+                f"{', '.join(STRUCTURED_OUTPUT_KINDS)}; got {named}"
+            )
+        if isinstance(self.json, str):
+            try:
+                _json.loads(self.json)
+            except ValueError as exc:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from exc
+        elif self.json is not None and not isinstance(self.json, dict | bool):
+            raise ValueError(
+                "structured_outputs.json must be a JSON schema (object or JSON text), got "
+                f"{type(self.json).__name__}"
+            )
+        for name in ("regex", "grammar", "structural_tag", "whitespace_pattern"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None and (
+            not isinstance(self.choice, list | tuple)
+            or not self.choice
+            or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+        if self.choice is not None:
+            self.choice = list(self.choice)
+        ends = self.reasoning_end_token_ids
+        if ends is not None and (
+            not isinstance(ends, list | tuple) or not ends
+            or not all(isinstance(t, int) and t >= 0 for t in ends)
+        ):
+            raise ValueError("structured_outputs.reasoning_end_token_ids must be a non-empty "
+                             "list of token ids")
+        if self.whitespace_pattern is not None:
+            raise ValueError(
+                "structured_outputs.whitespace_pattern is not supported by the xgrammar backend; "
+                "use disable_any_whitespace=true for compact JSON, or a regex constraint"
+            )
+
+    @property
+    def kinds(self) -> list[str]:
+        """The constraint kinds that are set (json_object only when true)."""
+        return [
+            k for k in STRUCTURED_OUTPUT_KINDS
+            if (getattr(self, k) is True if k == "json_object" else getattr(self, k) is not None)
+        ]
+
+    @property
+    def kind(self) -> str:
+        return self.kinds[0]
+
+    @property
+    def spec(self) -> str:
+        """The constraint as text: what compiles, and part of the compiled-grammar cache key.
+        A schema keeps its key order (properties are generated in that order)."""
+        value = getattr(self, self.kind)
+        if self.kind == "json" and not isinstance(value, str):
+            return _json.dumps(value)
+        if self.kind == "choice":
+            return _json.dumps(value)
+        return "" if self.kind == "json_object" else str(value)
 
 
 @dataclass
@@ -41,6 +145,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine from the model's generation config, not by users.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -52,6 +157,15 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):
+            fields = set(StructuredOutputsParams.__dataclass_fields__)
+            unknown = sorted(set(self.structured_outputs) - fields)
+            if unknown:
+                raise ValueError(
+                    f"unknown structured_outputs field(s): {', '.join(unknown)}; known: "
+                    f"{', '.join(sorted(fields))}"
+                )
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.top_k == -1:
             self.top_k = 0
         self._verify()
@@ -93,6 +207,15 @@ class SamplingParams:
             raise bad("stop", self.stop, "a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "a list of non-negative integers")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise bad("structured_outputs", self.structured_outputs,
+                      "a StructuredOutputsParams, a dict of its fields, or None")
+        if self.structured_outputs is not None and self.min_tokens > 0:
+            # min_tokens masks EOS, the grammar may allow nothing else: no token would be left.
+            raise ValueError("min_tokens cannot be combined with structured_outputs: the "
+                             "grammar decides where the output ends; drop min_tokens")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True; use stop_token_ids instead.")
 

@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from ingot.config import EngineArgs
@@ -56,6 +57,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hf-overrides", default=None, help="JSON object applied to the HF config")
     g.add_argument("--additional-config", default=None, help="JSON object of ingot options")
     g.add_argument("--served-model-name", default=None)
+    g.add_argument("--structured-outputs-config", default=None,
+                   help='JSON object, e.g. \'{"backend": "xgrammar", "compile_timeout_s": 10}\' '
+                   "(docs/configuration.md)")
     g.add_argument("--distributed-executor-backend", choices=["uni", "mp"], default=None,
                    help="uni: the worker runs in the engine's process (default for one "
                    "worker); mp: in a child process")
@@ -309,14 +313,44 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if api_key is not None and not api_key.strip():
         raise ValueError("--api-key (or INGOT_API_KEY) is empty; give a key or leave it unset")
     _check_listen(ns.host, ns.port)
+    chat_options = chat_options_from(ns)  # bad parser names / files fail before the model loads
     args = engine_args_from(ns)
     return serve(
         args,
         ns.host,
         ns.port,
         {"api_key": api_key, "max_body_bytes": ns.max_request_body_bytes,
-         **_server_log_settings(ns, api_key)},
+         "chat_options": chat_options, **_server_log_settings(ns, api_key)},
         metrics_name_prefix=ns.metrics_name_prefix,
+    )
+
+
+def chat_options_from(ns: argparse.Namespace) -> Any:
+    """--chat-template, --enable-auto-tool-choice, --tool-call-parser, --tool-parser-plugin and
+    --reasoning-parser, checked and resolved (vLLM's rules and names)."""
+    from ingot.entrypoints.openai.reasoning_parsers import get_reasoning_parser
+    from ingot.entrypoints.openai.serving import ChatOptions
+    from ingot.entrypoints.openai.tool_parsers import get_tool_parser, load_tool_parser_plugin
+
+    if ns.tool_parser_plugin:
+        load_tool_parser_plugin(ns.tool_parser_plugin)
+    if ns.enable_auto_tool_choice and not ns.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME (e.g. hermes)")
+    template = None
+    if ns.chat_template is not None:
+        path = Path(ns.chat_template)
+        # vLLM's rule: a path to a file, or else the template text itself.
+        if path.is_file():
+            template = path.read_text()
+        elif "{" in ns.chat_template:
+            template = ns.chat_template
+        else:
+            raise ValueError(f"--chat-template {ns.chat_template!r} is not a file")
+    return ChatOptions(
+        chat_template=template,
+        enable_auto_tool_choice=ns.enable_auto_tool_choice,
+        tool_parser=get_tool_parser(ns.tool_call_parser) if ns.tool_call_parser else None,
+        reasoning_parser=get_reasoning_parser(ns.reasoning_parser) if ns.reasoning_parser else None,
     )
 
 
@@ -403,6 +437,17 @@ def build_parser() -> argparse.ArgumentParser:
                      help="log each generation request's prompt length and sampling parameters")
     srv.add_argument("--disable-log-requests", action="store_true",
                      help="do not log requests' parameters (the default; vLLM's older flag)")
+    tools = srv.add_argument_group("chat: templates, tools, reasoning (docs/serving.md)")
+    tools.add_argument("--chat-template", default=None, metavar="FILE",
+                       help="Jinja chat template file used instead of the model's")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='allow tool_choice "auto": parse tool calls from free text')
+    tools.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                       help="hermes | llama3_json | pythonic | a plugin's name")
+    tools.add_argument("--tool-parser-plugin", default=None, metavar="FILE",
+                       help="Python file registering tool parsers (@register_tool_parser)")
+    tools.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                       help="deepseek_r1 | qwen3: <think> text goes to message.reasoning")
     srv.add_argument("--disable-uvicorn-access-log", action="store_true",
                      help="no access-log line per HTTP request")
     add_engine_args(srv)

@@ -35,6 +35,7 @@ from ingot.model_executor.layers.sampler import (
     SamplingMetadata,
     compute_prompt_logprobs,
 )
+from ingot.structured_output.bitmask import apply_grammar_bitmask
 from ingot.worker.cuda_graphs import CaptureFn, DecodeGraphs
 from ingot.worker.outputs import (
     ModelRunnerOutput,
@@ -341,6 +342,7 @@ class ModelRunner:
             self.vocab_size,
             self.device,
         )
+        apply_grammar_bitmask(logits, sample_reqs, so.grammar_bitmask)
         result = self.sampler(logits, metadata)
         if not so.is_prefill:
             self._prev_decode = (sample_reqs, result.sampled_token_ids)

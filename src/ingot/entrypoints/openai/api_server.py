@@ -16,7 +16,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -46,7 +46,7 @@ from ingot.entrypoints.openai.protocol import (
     message_dicts,
     now,
 )
-from ingot.entrypoints.openai.serving import OpenAIServing, sse
+from ingot.entrypoints.openai.serving import ChatOptions, OpenAIServing, sse
 from ingot.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from ingot.errors import PromptTooLongError
 from ingot.metrics.prometheus import EngineMetrics
@@ -112,6 +112,8 @@ class ServerSettings:
     api_key_protect_metrics: bool = False
     access_log: bool = True  # one line per request (off: --disable-uvicorn-access-log)
     log_requests: bool = False  # each generation request's parameters (--enable-log-requests)
+    # Chat: --chat-template (the text), tools and reasoning parsers (resolved by cli.py).
+    chat_options: ChatOptions = field(default_factory=ChatOptions)
 
     def needs_key(self, path: str) -> bool:
         if not self.api_key or path in OPEN_PATHS:
@@ -303,7 +305,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: EngineMetrics
     app.add_middleware(GuardMiddleware, settings=settings)
     if settings.access_log:
         app.add_middleware(AccessLogMiddleware)  # added last: outermost, sees 401s and 413s
-    serving = OpenAIServing(engine, settings.served_model_name, settings.log_requests)
+    serving = OpenAIServing(engine, settings.served_model_name, settings.log_requests,
+                            settings.chat_options)
     pooling = OpenAIServingPooling(engine, settings.served_model_name)
     model_config = engine.engine.model_config
 
@@ -390,6 +393,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: EngineMetrics
         if body.stream:
             # Prepared before the response starts, so a bad request still gets its status.
             prompts, params = serving.prepare_completion(body)
+            await serving.check_constraints(params, "structured_outputs")
             return stream_response(serving.completion_stream(body, prompts, params))
         return JSONResponse(await _until_disconnected(request, serving.completion(body)))
 
@@ -401,6 +405,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: EngineMetrics
         check_running()
         if body.stream:
             prompt, params = serving.prepare_chat(body)
+            await serving.check_constraints([params], body.constraint_field)
             return stream_response(serving.chat_stream(body, prompt, params))
         return JSONResponse(await _until_disconnected(request, serving.chat(body)))
 

@@ -11,13 +11,14 @@ those are bounded here, so no request can take the engine down.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ingot.engine.sampling_params import SamplingParams
+from ingot.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 # torch seeds generators with a 64-bit value (anything outside fails inside a step); int64
 # leaves room for the engine adding the choice index to the seed when n > 1.
@@ -77,6 +78,17 @@ class _SamplingFields(OpenAIModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's constraint field: {json | regex | choice | grammar | json_object | structural_tag,
+    # disable_any_whitespace, disable_additional_properties, whitespace_pattern}
+    structured_outputs: dict[str, Any] | None = None
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        if self.structured_outputs is None:
+            return None
+        try:
+            return SamplingParams(structured_outputs=self.structured_outputs).structured_outputs
+        except ValueError as exc:
+            raise RequestValueError(str(exc), "structured_outputs") from exc
 
     def _check_common(self) -> None:
         if self.logit_bias:
@@ -94,9 +106,11 @@ class _SamplingFields(OpenAIModel):
             )
 
     def _sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, default_max: int
+        self, max_tokens: int | None, logprobs: int | None, default_max: int,
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         return SamplingParams(
+            structured_outputs=structured_outputs or self._structured_outputs(),
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -170,19 +184,26 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def to_sampling_params(self, max_model_len: int, prompt_len: int) -> SamplingParams:
+    def to_sampling_params(
+        self, max_model_len: int, prompt_len: int,
+        tool_constraint: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
+        """``tool_constraint``: the schema a required or named tool_choice imposes."""
         self._check_common()
-        if self.tools:
-            raise RequestValueError("tools are not supported yet; remove them", "tools")
-        if self.tool_choice not in (None, "none"):
+        constraint = self._response_format()
+        if constraint is not None and self.structured_outputs is not None:
             raise RequestValueError(
-                "tool_choice is not supported yet; remove it or send \"none\"", "tool_choice"
-            )
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise RequestValueError(
-                "response_format other than {'type': 'text'} is not supported yet",
+                "response_format and structured_outputs both constrain the output; send one",
                 "response_format",
             )
+        if tool_constraint is not None:
+            if constraint is not None or self.structured_outputs is not None:
+                raise RequestValueError(
+                    "a required or named tool_choice constrains the output itself; drop "
+                    "response_format / structured_outputs or use tool_choice auto",
+                    "tool_choice",
+                )
+            constraint = tool_constraint
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise RequestValueError("top_logprobs needs logprobs: true", "top_logprobs")
@@ -192,7 +213,43 @@ class ChatCompletionRequest(_SamplingFields):
                     "top_logprobs",
                 )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(self.requested_max_tokens, logprobs, max_model_len - prompt_len)
+        return self._sampling_params(
+            self.requested_max_tokens, logprobs, max_model_len - prompt_len, constraint
+        )
+
+    def _response_format(self) -> StructuredOutputsParams | None:
+        """OpenAI's response_format as a constraint: text (none), json_object, json_schema."""
+        rf = self.response_format
+        if rf is None or rf.get("type") == "text":
+            return None
+        kind = rf.get("type")
+        if kind == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if kind != "json_schema":
+            raise RequestValueError(
+                f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                "response_format",
+            )
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise RequestValueError(
+                'response_format json_schema needs {"name": ..., "schema": {...}}',
+                "response_format.json_schema",
+            )
+        # OpenAI: a json_schema without "schema" allows any JSON object.
+        try:
+            return StructuredOutputsParams(json=spec.get("schema", {"type": "object"}))
+        except ValueError as exc:
+            raise RequestValueError(str(exc), "response_format.json_schema") from exc
+
+    @property
+    def constraint_field(self) -> str:
+        """The field a compile error is about."""
+        if self.structured_outputs is not None:
+            return "structured_outputs"
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            return "response_format"
+        return "tools"  # a required / named tool_choice's schema
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -237,6 +294,15 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                     )
                 texts.append(part["text"])
             d["content"] = "".join(texts)
+        for call in d.get("tool_calls") or []:
+            # Templates render arguments as JSON objects (as vLLM hands them over); OpenAI
+            # sends them as JSON text.
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                try:
+                    function["arguments"] = json.loads(function["arguments"])
+                except ValueError:
+                    pass
         out.append(d)
     return out
 

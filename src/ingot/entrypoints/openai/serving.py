@@ -17,6 +17,7 @@ from ingot.engine.prompt_embeds import PROMPT_EMBEDS_PLACEHOLDER, decode_prompt_
 from ingot.engine.sampling_params import SamplingParams
 from ingot.engine.tokenizer import apply_chat_template
 from ingot.entrypoints.openai.access_log import record_usage
+from ingot.entrypoints.openai.chat_output import ChatOutputParser, finish_reason
 from ingot.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -25,6 +26,10 @@ from ingot.entrypoints.openai.protocol import (
     now,
     random_id,
 )
+from ingot.entrypoints.openai.reasoning_parsers import END as REASONING_END
+from ingot.entrypoints.openai.reasoning_parsers import ReasoningParser
+from ingot.entrypoints.openai.tool_parsers.base import ToolParser
+from ingot.entrypoints.openai.tools import ToolRequest, parse_tool_request
 from ingot.errors import PromptTooLongError
 
 request_logger = logging.getLogger("ingot.requests")
@@ -35,6 +40,25 @@ class PreparedPrompt:
     text: str | None
     token_ids: list[int]  # placeholders, one per row, for a prompt_embeds prompt
     embeds: Any = None  # a checked [seq_len, hidden] tensor (prompt_embeds)
+    tools: ToolRequest | None = None  # chat: the request's tool settings
+
+
+@dataclass
+class ChatOptions:
+    """The server's chat flags (``ingot serve``, vLLM's names)."""
+
+    chat_template: str | None = None  # --chat-template, the template text
+    enable_auto_tool_choice: bool = False
+    tool_parser: type[ToolParser] | None = None  # --tool-call-parser
+    reasoning_parser: type[ReasoningParser] | None = None  # --reasoning-parser
+
+
+def tools_chat_template() -> str:
+    """ingot's ChatML template with a hermes tools section (for the default model, whose own
+    template has none)."""
+    from importlib.resources import files
+
+    return (files("ingot.entrypoints.openai") / "templates" / "chatml_tools.jinja").read_text()
 
 
 @dataclass
@@ -158,8 +182,9 @@ def silence_too_long_warning() -> None:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLM, served_model_name: str,
-                 log_requests: bool = False) -> None:
+                 log_requests: bool = False, chat_options: ChatOptions | None = None) -> None:
         self.engine = engine
+        self.chat_options = chat_options or ChatOptions()
         self.served_model_name = served_model_name
         self.log_requests = log_requests
         silence_too_long_warning()
@@ -201,20 +226,72 @@ class OpenAIServing:
             prepared.append(PreparedPrompt(None, list(p)))
         return prepared
 
-    def chat_prompt(self, request: ChatCompletionRequest) -> PreparedPrompt:
+    def chat_prompt(
+        self, request: ChatCompletionRequest, tools: ToolRequest | None = None
+    ) -> PreparedPrompt:
         if not request.messages:
             raise RequestValueError("messages is empty; give at least one message", "messages")
         tokenizer = self._need_tokenizer("messages")
+        template = request.chat_template or self.chat_options.chat_template
+        kwargs = request.template_kwargs()
+        messages = request.message_dicts()
+        if tools is not None and tools.render_tools:
+            kwargs["tools"] = tools.tools
+        # Tool calls and results in the conversation need a template that renders them too.
+        if template is None and ("tools" in kwargs or any(
+                m.get("tool_calls") or m["role"] == "tool" for m in messages)):
+            template = self._tools_template(tokenizer)
         text = apply_chat_template(
             tokenizer,
-            request.message_dicts(),
+            messages,
             add_generation_prompt=request.add_generation_prompt,
-            chat_template=request.chat_template,
-            **request.template_kwargs(),
+            chat_template=template,
+            **kwargs,
         )
-        return PreparedPrompt(text, tokenizer.encode(text, add_special_tokens=False))
+        return PreparedPrompt(text, tokenizer.encode(text, add_special_tokens=False), tools=tools)
+
+    @staticmethod
+    def _tools_template(tokenizer: Any) -> str | None:
+        """The model's template if it renders tools, else ingot's tool-aware ChatML one for
+        ChatML models; other models need --chat-template."""
+        own = getattr(tokenizer, "chat_template", None) or ""
+        if "tools" in own:
+            return None
+        if "<|im_start|>" in own:
+            return tools_chat_template()
+        raise RequestValueError(
+            "the model's chat template does not render tools; start the server with "
+            "--chat-template FILE (a template with a tools section) or send the request's "
+            "chat_template", "tools",
+        )
+
+    def _output_parsers(self, tools: ToolRequest | None) -> Any:
+        """A factory of per-choice output parsers, or None when the text is the content."""
+        opts = self.chat_options
+        reasoning_cls = opts.reasoning_parser
+        if tools is None or tools.parser(opts.tool_parser, self.tokenizer) is None:
+            if reasoning_cls is None:
+                return None
+            return lambda: ChatOutputParser(reasoning_cls(), None)
+        return lambda: ChatOutputParser(
+            reasoning_cls() if reasoning_cls is not None else None,
+            tools.parser(opts.tool_parser, self.tokenizer),
+        )
 
     # ---- engine --------------------------------------------------------------------------
+    async def check_constraints(self, params_list: list[SamplingParams], param: str) -> None:
+        """Compile the requests' grammars on the engine thread (it owns the compiled-grammar
+        cache) before any response starts, so an invalid one is a 400 naming ``param``."""
+        core = self.engine.engine.engine_core
+        for params in params_list:
+            if params.structured_outputs is None:
+                continue
+            try:
+                await self.engine.call(lambda p=params: core.compile_structured_output(p))
+            except ValueError as exc:
+                raise RequestValueError(str(exc), param) from exc
+            break  # n prompts of one request share one constraint
+
     def _streams(
         self, prompts: list[PreparedPrompt], params_list: list[SamplingParams], prefix: str
     ) -> list[AsyncIterator[RequestOutput]]:
@@ -307,6 +384,7 @@ class OpenAIServing:
 
     async def completion(self, request: CompletionRequest) -> dict[str, Any]:
         prompts, params_list = self.prepare_completion(request)
+        await self.check_constraints(params_list, "structured_outputs")
         request_id = random_id("cmpl")
         finals: dict[int, RequestOutput] = {}
         async with aclosing(merge(self._streams(prompts, params_list, request_id))) as outs:
@@ -393,9 +471,19 @@ class OpenAIServing:
 
     # ---- chat ----------------------------------------------------------------------------
     def prepare_chat(self, request: ChatCompletionRequest) -> tuple[PreparedPrompt, SamplingParams]:
-        prompt = self.chat_prompt(request)
+        tools = parse_tool_request(request.tools, request.tool_choice, request.parallel_tool_calls,
+                                   self.chat_options.enable_auto_tool_choice)
+        prompt = self.chat_prompt(request, tools)
         check_prompt_fits(len(prompt.token_ids), None, self.max_model_len, prompt_field="messages")
-        params = request.to_sampling_params(self.max_model_len, len(prompt.token_ids))
+        params = request.to_sampling_params(self.max_model_len, len(prompt.token_ids),
+                                            tools.constraint())
+        reasoning = self.chat_options.reasoning_parser
+        constraint = params.structured_outputs
+        if (reasoning is not None and constraint is not None and prompt.text is not None
+                and reasoning.response_reasons(prompt.text)):
+            # The grammar constrains the answer, not the thinking before it.
+            constraint.reasoning_end_token_ids = self.tokenizer.encode(
+                REASONING_END, add_special_tokens=False)
         check_prompt_fits(len(prompt.token_ids), params.max_tokens, self.max_model_len,
                           request.max_tokens_field, "messages")
         return prompt, params
@@ -423,6 +511,7 @@ class OpenAIServing:
 
     async def chat(self, request: ChatCompletionRequest) -> dict[str, Any]:
         prompt, params = self.prepare_chat(request)
+        await self.check_constraints([params], request.constraint_field)
         request_id = random_id("chatcmpl")
         final = None
         async with aclosing(merge(self._streams([prompt], [params], request_id))) as outs:
@@ -430,16 +519,19 @@ class OpenAIServing:
                 final = out
         assert final is not None
         top_n = request.top_logprobs or 0
-        choices = [
-            {
+        make_parser = self._output_parsers(prompt.tools)
+        choices = []
+        for c in final.outputs:
+            message = {"role": "assistant", "content": c.text}
+            if make_parser is not None:
+                message = make_parser().message(c.text)
+            choices.append({
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": message,
                 "logprobs": self._chat_logprobs(c, 0, top_n),
-                "finish_reason": c.finish_reason,
+                "finish_reason": finish_reason(c.finish_reason, "tool_calls" in message),
                 "stop_reason": c.stop_reason,
-            }
-            for c in final.outputs
-        ]
+            })
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
         record_usage(len(prompt.token_ids), completion_tokens)
         return {
@@ -475,6 +567,8 @@ class OpenAIServing:
                 body["usage"] = self._usage(state)
             return sse(body)
 
+        make_parser = self._output_parsers(prompt.tools)
+        parsers: dict[int, ChatOutputParser] = {}
         # No chunk before the model has produced something: clients time their first token
         # from the first chunk, so the role travels with each choice's first content (as vLLM).
         async with aclosing(merge(self._streams([prompt], [params], request_id))) as merged, \
@@ -484,21 +578,34 @@ class OpenAIServing:
                     cs = state.choices.setdefault(c.index, _ChoiceState())
                     if cs.finished:
                         continue
-                    delta_text = c.text[cs.text_len :]
                     new_tokens = len(c.token_ids) - cs.num_tokens
+                    called = False
+                    if make_parser is None:
+                        delta_text = c.text[cs.text_len :]
+                        delta: dict[str, Any] = {"content": delta_text} if delta_text else {}
+                    else:
+                        # Reasoning, content and tool calls; text that may still be a tag waits.
+                        parser = parsers.setdefault(c.index, make_parser())
+                        parts = parser.update(c.text, c.finish_reason is not None)
+                        called = parser.called_tools
+                        delta_text = parts.content
+                        delta = {"content": delta_text} if delta_text else {}
+                        if parts.reasoning:
+                            delta["reasoning"] = parts.reasoning
+                        if parts.tool_calls:
+                            delta["tool_calls"] = parts.tool_calls
                     # Text held back (a split character, a possible stop string) waits for a later
                     # chunk unless logprobs are streamed token by token.
-                    if not delta_text and not c.finish_reason and (new_tokens == 0 or c.logprobs is None):
+                    if not delta and not c.finish_reason and (new_tokens == 0 or c.logprobs is None):
                         continue
-                    delta: dict[str, Any] = {"content": delta_text} if delta_text else {}
                     if not cs.role_sent:
-                        delta = {"role": "assistant", "content": delta_text}
+                        delta = {"role": "assistant", "content": delta_text, **delta}
                         cs.role_sent = True
                     choice = {
                         "index": c.index,
                         "delta": delta,
                         "logprobs": self._chat_logprobs(c, cs.num_tokens, top_n),
-                        "finish_reason": c.finish_reason,
+                        "finish_reason": finish_reason(c.finish_reason, called),
                         "stop_reason": c.stop_reason,
                     }
                     state.advance(cs, c)
