@@ -15,14 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import socket
 import statistics
-import subprocess
-import sys
 import time
 import urllib.request
 
 import torch
+from serve_util import ingot_server
 
 from ingot import LLM
 from ingot.model_executor.loader.packaged_models import default_embedder_path
@@ -46,42 +44,19 @@ def sentences(n: int, tokenizer) -> list[str]:  # noqa: ANN001
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def server_latency(requests: int) -> float:
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ingot.entrypoints.cli", "--log-level", "warning", "serve",
-         "--runner", "pooling", "--host", "127.0.0.1", "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                    break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("ingot serve --runner pooling did not start") from None
-                time.sleep(0.5)
-        body = json.dumps({"input": "What is the capital of France?"}).encode()
-        times = []
+    body = json.dumps({"input": "What is the capital of France?"}).encode()
+    times = []
+    with ingot_server(["--runner", "pooling"]) as url:
         for _ in range(requests + 2):
-            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/embeddings", data=body,
+            req = urllib.request.Request(f"{url}/v1/embeddings", data=body,
                                          headers={"Content-Type": "application/json"})
             start = time.perf_counter()
             with urllib.request.urlopen(req, timeout=60) as resp:
                 assert resp.status == 200
                 resp.read()
             times.append(time.perf_counter() - start)
-        return statistics.median(times[2:])
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    return statistics.median(times[2:])
 
 
 def main() -> None:

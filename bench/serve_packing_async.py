@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import argparse
 import re
-import socket
 import statistics
-import subprocess
-import sys
-import time
-import urllib.request
+
+from serve_util import ingot_server
 
 from ingot.benchmarks.serve import run_serve_bench
 
@@ -34,34 +31,10 @@ SETTINGS = {  # name -> extra `ingot serve` flags
 FIELDS = ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve_and_bench(flags: list[str], ns: argparse.Namespace) -> str:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "ingot.entrypoints.cli", "--log-level", "warning", "serve",
-           "--max-num-seqs", "16", "--max-model-len", "1024", "--host", "127.0.0.1",
-           "--port", str(port), *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                    break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"ingot serve did not start: {' '.join(cmd)}") from None
-                time.sleep(0.5)
-        return run_serve_bench(f"http://127.0.0.1:{port}", concurrency=16,
-                               num_requests=ns.num_requests, input_len=128,
-                               output_len=ns.output_len)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    with ingot_server(["--max-num-seqs", "16", "--max-model-len", "1024", *flags]) as url:
+        return run_serve_bench(url, concurrency=16, num_requests=ns.num_requests,
+                               input_len=128, output_len=ns.output_len)
 
 
 def main() -> None:

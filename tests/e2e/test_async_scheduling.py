@@ -4,14 +4,12 @@ decode steps took the previous step's sampled tokens as their inputs."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
 from test_engine_core_v2 import _engine, _mixed_requests, _run
 
 from ingot import LLM, SamplingParams
-from ingot.engine.async_engine import AsyncLLM, EngineDeadError
 
 
 @pytest.fixture(scope="module")
@@ -118,27 +116,6 @@ def test_slow_device_overlaps_and_keeps_at_most_two_in_flight(tiny_llama_dir):
     assert applied == sorted(applied) and len(applied) == 8
     for i in applied[:-1]:
         assert events.index(("submit", i + 1)) < events.index(("apply", i))
-
-
-def test_worker_error_under_async_fails_the_stream(tiny_llama_dir):
-    """A step that raises on the device thread: the request in flight gets the error, the
-    engine reports itself dead; no hang."""
-    llm = AsyncLLM(_engine(tiny_llama_dir, prefills=8, async_scheduling=True))
-
-    async def run() -> None:
-        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-        stream = llm.generate([5] * 10, params, "long")
-        await stream.__anext__()
-        await llm.call(lambda: llm.engine.collective_rpc(setattr, ("model_runner", None)))
-        with pytest.raises(EngineDeadError):
-            async for _ in stream:
-                pass
-
-    try:
-        asyncio.run(asyncio.wait_for(run(), timeout=60))
-        assert not llm.is_running
-    finally:
-        llm.shutdown()
 
 
 def test_async_flag_offline_and_accuracy_toolkit_refuses_it(tiny_llama_dir):

@@ -147,10 +147,15 @@ def test_worker_error_is_raised_and_the_executor_reports_it(tiny_llama_dir):
         engine.shutdown()
 
 
-def test_worker_failure_mid_request_fails_the_stream_not_hangs(tiny_llama_dir):
-    """An exception inside the worker process during a step: the in-flight request gets an
-    error, the engine reports itself dead, and shutting down leaves no child behind."""
-    llm = AsyncLLM(_engine(tiny_llama_dir, prefills=8, backend="mp"))
+@pytest.mark.parametrize("backend,async_scheduling", [("mp", False), ("uni", True)])
+def test_worker_failure_mid_request_fails_the_stream_not_hangs(
+    tiny_llama_dir, backend, async_scheduling
+):
+    """An exception inside the worker during a step (in its process, or on its compute thread
+    with two steps in flight): the in-flight request gets an error, the engine reports itself
+    dead, and shutting down leaves no child process behind."""
+    llm = AsyncLLM(_engine(tiny_llama_dir, prefills=8, backend=backend,
+                           async_scheduling=async_scheduling))
     pid = llm.engine.startup_stats()["pid"]
 
     async def run() -> None:
@@ -168,6 +173,8 @@ def test_worker_failure_mid_request_fails_the_stream_not_hangs(tiny_llama_dir):
         assert not llm.is_running
     finally:
         llm.shutdown()
+    if backend == "uni":
+        return
     with pytest.raises(ProcessLookupError):  # the worker process is gone
         for _ in range(50):
             os.kill(pid, 0)
