@@ -77,7 +77,3 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
-
-    @property
-    def num_scheduled_tokens(self) -> dict[str, int]:
-        return {r.req_id: r.num_tokens for r in self.scheduled}

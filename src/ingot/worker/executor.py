@@ -62,10 +62,11 @@ class Executor(ABC):
         self, method: RpcMethod, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
     ) -> list[Any]: ...
 
+    @abstractmethod
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False
     ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
-        return self.collective_rpc("execute_model", (scheduler_output,))[0]
+        """Rank 0's output of one step; with ``non_block``, a future of it."""
 
     @abstractmethod
     def check_health(self) -> None:

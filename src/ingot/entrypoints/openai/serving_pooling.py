@@ -87,6 +87,18 @@ class OpenAIServingPooling:
                 finals[i] = out
         return [finals[i] for i in range(len(prompts))]
 
+    async def _vectors(
+        self, request: EmbeddingRequest | PoolingRequest, params: PoolingParams,
+        request_id: str, kind: str, key: str,
+    ) -> dict[str, Any]:
+        """One pooled vector per input, as /v1/embeddings and /pooling answer."""
+        outs = await self._run(self._prompts(request.input, request.add_special_tokens),
+                               params, request_id)
+        data = [{"index": i, "object": kind, key: encode_vector(o.outputs.data,
+                                                                  request.encoding_format)}
+                for i, o in enumerate(outs)]
+        return self._body(request_id, data, sum(len(o.prompt_token_ids) for o in outs))
+
     def _body(self, request_id: str, data: list[dict[str, Any]], prompt_tokens: int) -> dict[str, Any]:
         return {
             "id": request_id, "object": "list", "created": now(),
@@ -99,28 +111,14 @@ class OpenAIServingPooling:
         params = PoolingParams(request.truncate_prompt_tokens, request.dimensions,
                                request.normalize, task="embed")
         request_id = random_id("embd")
-        outs = await self._run(self._prompts(request.input, request.add_special_tokens),
-                               params, request_id)
-        data = [
-            {"index": i, "object": "embedding",
-             "embedding": encode_vector(o.outputs.data, request.encoding_format)}
-            for i, o in enumerate(outs)
-        ]
-        return self._body(request_id, data, sum(len(o.prompt_token_ids) for o in outs))
+        return await self._vectors(request, params, request_id, "embedding", "embedding")
 
     async def pooling(self, request: PoolingRequest) -> dict[str, Any]:
         self.check_pooling("/pooling")
         params = PoolingParams(request.truncate_prompt_tokens, request.dimensions,
                                request.normalize, request.activation, task="encode")
         request_id = random_id("pool")
-        outs = await self._run(self._prompts(request.input, request.add_special_tokens),
-                               params, request_id)
-        data = [
-            {"index": i, "object": "pooling",
-             "data": encode_vector(o.outputs.data, request.encoding_format)}
-            for i, o in enumerate(outs)
-        ]
-        return self._body(request_id, data, sum(len(o.prompt_token_ids) for o in outs))
+        return await self._vectors(request, params, request_id, "pooling", "data")
 
     async def classify(self, request: ClassificationRequest) -> dict[str, Any]:
         self.check_pooling("/classify")
