@@ -143,3 +143,40 @@ def test_pooling_runner_refuses_speculation(tiny_llama_dir):
     with pytest.raises(ValueError, match="pooling model never decodes"):
         EngineArgs(model=str(tiny_llama_dir), runner="pooling", convert="embed",
                    speculative_config=_spec(2)).create_engine_config()
+
+
+def test_server_with_speculation_serves_the_same_tokens_and_counts(tiny_llama_dir,
+                                                                   tmp_path_factory):
+    """`ingot serve --speculative-config` with the official client: greedy completions equal
+    the offline engine's without speculation (n=2 too), and the spec-decode counters move."""
+    import json
+
+    import openai
+    from server_utils import TINY_FLAGS, metric, run_server
+
+    prompts = [[40 + i] * (5 + 7 * i) for i in range(3)]
+    ref = LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=256)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = [o.outputs[0].text for o in
+            ref.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    args = [str(tiny_llama_dir), *TINY_FLAGS, "--speculative-config", json.dumps(_spec(3))]
+    with run_server(args, tmp_path_factory.mktemp("logs"), log_level="info") as server:
+        client = openai.OpenAI(base_url=server.base + "/v1", api_key="x")
+        model = client.models.list().data[0].id
+        before = server.metrics()
+        assert metric(before, "ingot:spec_decode_num_drafts_total") == 0
+        got = [client.completions.create(model=model, prompt=p, max_tokens=24, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+               for p in prompts]
+        assert got == want
+        two = client.completions.create(model=model, prompt=prompts[1], max_tokens=24,
+                                        temperature=0, n=2, extra_body={"ignore_eos": True})
+        assert [c.text for c in two.choices] == [want[1], want[1]]
+        m = server.metrics()
+        drafts = metric(m, "ingot:spec_decode_num_drafts_total")
+        drafted = metric(m, "ingot:spec_decode_num_draft_tokens_total")
+        accepted = metric(m, "ingot:spec_decode_num_accepted_tokens_total")
+        assert drafts > 0 and 0 < accepted <= drafted <= 3 * drafts
+        per_pos = [metric(m, "ingot:spec_decode_num_accepted_tokens_per_pos_total",
+                          position=str(p)) for p in range(3)]
+        assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
