@@ -43,8 +43,11 @@ def head_dim_of(config: Any) -> int:
 
 class DecoderAttention(nn.Module):
     def __init__(
-        self, config: Any, rotary: RotaryEmbedding, qk_norm: bool, biases: tuple[bool, bool]
+        self, config: Any, rotary: RotaryEmbedding, qk_norm: bool, biases: tuple[bool, bool],
+        qkv_input_size: int | None = None,
     ) -> None:
+        """``qkv_input_size``: the q/k/v projections' input width when it is not the hidden
+        size (an EAGLE3 head attends over [token embedding, hidden state], 2 x hidden)."""
         super().__init__()
         qkv_bias, o_bias = biases
         self.num_heads = config.num_attention_heads
@@ -52,7 +55,8 @@ class DecoderAttention(nn.Module):
         self.head_dim = head_dim_of(config)
         self.scale = self.head_dim**-0.5
         self.qkv_proj = QKVLinear(
-            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=qkv_bias
+            qkv_input_size or config.hidden_size, self.head_dim, self.num_heads,
+            self.num_kv_heads, bias=qkv_bias,
         )
         self.o_proj = ReplicatedLinear(self.num_heads * self.head_dim, config.hidden_size, o_bias)
         self.rotary = rotary
@@ -197,10 +201,20 @@ class DecoderModel(nn.Module):
             assert is_token_ids is not None
             hidden = torch.where(is_token_ids[:, None], hidden, inputs_embeds.to(hidden.dtype))
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        aux = []
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if i in self.aux_hidden_state_layers:  # the layer's input: the residual stream
+                aux.append(hidden if residual is None else hidden + residual)
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
         hidden, _ = self.norm(hidden, residual)
+        if aux:
+            self.aux_hidden_states = torch.cat(aux, dim=-1)
         return hidden
+
+    #: EAGLE3 speculation: the layers whose inputs the draft head reads; each forward leaves
+    #: them concatenated in ``aux_hidden_states`` ([T, len(layers) * hidden]).
+    aux_hidden_state_layers: tuple[int, ...] = ()
+    aux_hidden_states: torch.Tensor | None = None
 
 
 class LlamaForCausalLM(nn.Module):

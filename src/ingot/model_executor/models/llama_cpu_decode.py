@@ -157,13 +157,18 @@ class LlamaCpuDecode:
         embedded = self.model.model.embed_tokens(input_ids.view(rows))
         rms, gemv, attend, silu = k.rms_norm, k.gemv, k.decode_attention, k.silu_mul
         residual_in = embedded.data_ptr()  # layer 0: residual = the embedding, no add
-        for cache, layer, packed in zip(kv_caches, self.layers, self.packed, strict=True):
+        aux_layers = self.model.model.aux_hidden_state_layers
+        aux = []
+        for i, (cache, layer, packed) in enumerate(zip(kv_caches, self.layers, self.packed,
+                                                       strict=True)):
             (in_w, in_eps, qkv_w, qkv_b, o_w, o_b, post_w, post_eps, gu_w, gu_b, down_w, down_b,
              window, scale, _) = layer
             if residual_in == rp:
                 rms(h.data_ptr(), rp, in_w, xp, rp, rows, hidden, in_eps, threads)
             else:
                 rms(residual_in, None, in_w, xp, None, rows, hidden, in_eps, threads)
+            if i in aux_layers:  # EAGLE3: the layer's input, the residual stream
+                aux.append((res if residual_in == rp else embedded).clone())
             if use_gemv:
                 gemv(xp, qkv_w, qkv_b, qkv.data_ptr(), rows, qkv_size, hidden, threads)
             else:
@@ -199,4 +204,6 @@ class LlamaCpuDecode:
             else:
                 h = onednn(act, packed[3][0], packed[3][1], "none", [], "")
         out, _ = self.norm(h, res)  # a fresh tensor: the buffers are reused next step
+        if aux:
+            self.model.model.aux_hidden_states = torch.cat(aux, dim=-1)
         return out
