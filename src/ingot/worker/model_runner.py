@@ -26,12 +26,14 @@ from torch import nn
 from ingot.config import EngineConfig
 from ingot.core.kv_cache_manager import NULL_BLOCK_ID, cdiv
 from ingot.core.sched_output import SchedulerOutput
+from ingot.distributed.parallel_state import get_tp_group
 from ingot.engine.sampling_params import SamplingParams
 from ingot.model_executor.layers.attention import AttentionMetadata
 from ingot.model_executor.layers.pooler import Pooler, PoolingSegment
 from ingot.model_executor.layers.sampler import (
     LogprobsTensors,
     Sampler,
+    SamplerOutput,
     SamplingMetadata,
     compute_prompt_logprobs,
 )
@@ -97,6 +99,7 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.vocab_size = config.model_config.vocab_size
         self.sampler = Sampler()
+        self.tp_group = get_tp_group()
         self.requests: dict[str, CachedRequestState] = {}
         self.grid = config.buckets
         self.decode_graphs: DecodeGraphs | None = None
@@ -331,8 +334,6 @@ class ModelRunner:
             self._prompt_logprobs(hidden, prompt_lp, output)
         if not sample_rows:
             return output
-        # Model dtype: the sampler makes its own float32 copy only when it processes them.
-        logits = self.model.compute_logits(hidden[sample_rows])
         states = [self.requests[r] for r in sample_reqs]
         metadata = SamplingMetadata.from_params(
             [s.params for s in states],
@@ -342,8 +343,7 @@ class ModelRunner:
             self.vocab_size,
             self.device,
         )
-        apply_grammar_bitmask(logits, sample_reqs, so.grammar_bitmask)
-        result = self.sampler(logits, metadata)
+        result = self._sample(hidden[sample_rows], metadata, sample_reqs, so)
         if not so.is_prefill:
             self._prev_decode = (sample_reqs, result.sampled_token_ids)
         sampled = result.sampled_token_ids.tolist()
@@ -357,6 +357,24 @@ class ModelRunner:
                     ids, lps, rank = _tensors_to_lists(result.logprobs_tensors, row, k)
                     output.logprobs[req_id] = SampledLogprobs(ids, lps, rank)
         return output
+
+    def _sample(self, hidden: torch.Tensor, metadata: SamplingMetadata, sample_reqs: list[str],
+                so: SchedulerOutput) -> SamplerOutput:
+        """Logits and sampling for the rows that sample. Under TP every rank must feed the
+        same token to its next step: plain greedy rows take the argmax over the vocab shards
+        (no logits gathered, identical on every rank); anything else samples on the gathered
+        logits and rank 0's tokens are broadcast."""
+        tp = self.tp_group
+        if tp.world_size > 1 and metadata.argmax_only and so.grammar_bitmask is None:
+            return SamplerOutput(sampled_token_ids=self.model.greedy_token_ids(hidden),
+                                 logprobs_tensors=None)
+        # Model dtype: the sampler makes its own float32 copy only when it processes them.
+        logits = self.model.compute_logits(hidden)
+        apply_grammar_bitmask(logits, sample_reqs, so.grammar_bitmask)
+        result = self.sampler(logits, metadata)
+        if tp.world_size > 1:
+            result.sampled_token_ids = tp.broadcast(result.sampled_token_ids.contiguous(), 0)
+        return result
 
     def _prompt_embeds_inputs(
         self, so: SchedulerOutput, num_rows: int
