@@ -152,3 +152,34 @@ def test_cli_accepts_vllm_parallel_flags():
             ns.enable_expert_parallel) == (2, 1, 1, True)
     ns = build_parser().parse_args(["serve", "m", "--tensor-parallel-size", "4"])
     assert ns.tensor_parallel_size == 4
+
+
+def test_kv_cache_per_rank_holds_its_share_of_kv_heads(tiny_llama_dir):
+    import torch
+
+    from ingot.worker.worker import kv_bytes_per_block, rank_kv_heads
+
+    one = _args(tiny_llama_dir).create_engine_config()  # 2 KV heads
+    two = _args(tiny_llama_dir, tensor_parallel_size=2).create_engine_config()
+    four = _args(tiny_llama_dir, tensor_parallel_size=4).create_engine_config()
+    assert [rank_kv_heads(c) for c in (one, two, four)] == [2, 1, 1]  # 4: replicated
+    assert kv_bytes_per_block(two, torch.float32) * 2 == kv_bytes_per_block(one, torch.float32)
+    assert kv_bytes_per_block(four, torch.float32) == kv_bytes_per_block(two, torch.float32)
+
+
+def test_executor_agrees_on_the_smallest_block_count():
+    from ingot.worker.executor import Executor
+
+    class TwoRanks(Executor):
+        def __init__(self) -> None:
+            self.calls = []
+
+        def collective_rpc(self, method, args=(), kwargs=None):
+            self.calls.append((method, tuple(args)))
+            return [10, 7] if method == "determine_num_blocks" else [None, None]
+
+        execute_model = check_health = shutdown = lambda self, *a, **k: None
+
+    ex = TwoRanks()
+    assert ex.initialize() == 7
+    assert ex.calls[-1] == ("initialize_cache", (7,))
