@@ -183,3 +183,20 @@ def test_executor_agrees_on_the_smallest_block_count():
     ex = TwoRanks()
     assert ex.initialize() == 7
     assert ex.calls[-1] == ("initialize_cache", (7,))
+
+
+def test_ranks_split_the_cpus_and_bind_lists(tiny_llama_dir, monkeypatch):
+    from ingot.platforms.cpu_threads import BIND_ENV
+    from ingot.worker.worker import rank_thread_config
+
+    monkeypatch.delenv(BIND_ENV, raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    one = _args(tiny_llama_dir).create_engine_config()
+    assert rank_thread_config(one, 0) is one  # TP = 1: untouched
+    two = _args(tiny_llama_dir, tensor_parallel_size=2).create_engine_config()
+    threads = rank_thread_config(two, 1).cpu_threads.threads
+    assert threads is not None and threads >= 1
+    assert two.cpu_threads.threads is None  # the engine's config is not mutated
+    # vLLM's form: one CPU list per rank, '|'-separated.
+    monkeypatch.setenv(BIND_ENV, "0|1")
+    assert [rank_thread_config(two, r).cpu_threads.bind for r in (0, 1)] == ["0", "1"]
