@@ -200,3 +200,19 @@ def test_ranks_split_the_cpus_and_bind_lists(tiny_llama_dir, monkeypatch):
     # vLLM's form: one CPU list per rank, '|'-separated.
     monkeypatch.setenv(BIND_ENV, "0|1")
     assert [rank_thread_config(two, r).cpu_threads.bind for r in (0, 1)] == ["0", "1"]
+
+
+def test_cpu_ranks_plan_the_kv_cache_with_their_share_of_memory(tiny_llama_dir, monkeypatch):
+    import torch
+
+    from ingot.worker.worker import plan_num_blocks
+
+    monkeypatch.delenv("INGOT_MIN_KV_BUDGET_GIB", raising=False)
+    monkeypatch.delenv("INGOT_KV_BUDGET_CAP_FRACTION", raising=False)
+    config = _args(tiny_llama_dir, tensor_parallel_size=4).create_engine_config()
+    gib = 2**30
+    # One rank alone with 1 GiB is below the 1 GiB minimum's budget; four ranks sharing 4 GiB
+    # each plan with 1 GiB and a quarter of the minimum.
+    with pytest.raises(ValueError, match="below the minimum"):
+        plan_num_blocks(config, gib, 0, torch.float32)
+    assert plan_num_blocks(config, 4 * gib, 0, torch.float32, ranks_sharing=4) > 0

@@ -52,10 +52,13 @@ def kv_bytes_per_block(config: EngineConfig, dtype: torch.dtype) -> int:
 
 
 def plan_num_blocks(
-    config: EngineConfig, total_bytes: int, weight_bytes: int, dtype: torch.dtype
+    config: EngineConfig, total_bytes: int, weight_bytes: int, dtype: torch.dtype,
+    ranks_sharing: int = 1,
 ) -> int:
     """Block count from the memory budget; ``num_gpu_blocks_override`` wins. Checks that at
-    least one request of ``max_model_len`` tokens fits."""
+    least one request of ``max_model_len`` tokens fits. ``ranks_sharing``: ranks that share
+    ``total_bytes`` (TP ranks on one CPU host); each plans with its share, and the budget's
+    minimum is shared out the same way."""
     cache, sched = config.cache_config, config.scheduler_config
     per_block = kv_bytes_per_block(config, dtype)
     if cache.num_gpu_blocks_override is not None:
@@ -67,11 +70,11 @@ def plan_num_blocks(
             source = "kv_cache_memory_bytes"
         else:
             budget = compute_kv_budget(
-                total_bytes,
+                total_bytes // ranks_sharing,
                 weight_bytes,
                 cache.gpu_memory_utilization,
                 cap_fraction_from_env(),
-                min_budget_gib_from_env(),
+                min_budget_gib_from_env() / ranks_sharing,
             )
             source = "gpu_memory_utilization"
         # +1: block 0 is the null block. More than every sequence at full length is never used.
@@ -246,10 +249,9 @@ class Worker:
     def determine_num_blocks(self) -> int:
         # Memory still free now, plus what the weights took: the total before loading.
         total = self.platform.available_memory_bytes(self.device) + self.load_bytes
-        if self.device.type == "cpu":
-            # The ranks share the host's memory: each plans with its share of it.
-            total //= self.config.parallel_config.world_size
-        return plan_num_blocks(self.config, total, self.load_bytes, self.kv_dtype)
+        # On CPU the ranks share the host's memory (a GPU is each rank's own).
+        sharing = self.config.parallel_config.world_size if self.device.type == "cpu" else 1
+        return plan_num_blocks(self.config, total, self.load_bytes, self.kv_dtype, sharing)
 
     def initialize_cache(self, num_blocks: int) -> None:
         config = self.config
