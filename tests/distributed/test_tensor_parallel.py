@@ -22,7 +22,7 @@ import tp_checks  # noqa: E402
 from paged_harness import PagedHarness  # noqa: E402
 from tiny import make_tiny_model  # noqa: E402
 
-# One spawn per world size runs every check: ~10 s (world 2) + ~13 s (world 4) here.
+# One spawn per world size runs every check: ~12 s (world 2) + ~13 s (world 4) here.
 pytestmark = pytest.mark.slow
 
 MODULE_CHECKS = {
@@ -39,8 +39,15 @@ def models(tmp_path_factory):
     > KV heads) and 2 KV heads (for the broken loader: a rank-blind KV shard differs)."""
     root = tmp_path_factory.mktemp("tp-models")
     common = dict(vocab_size=259, attention_bias=True, mlp_bias=True)
-    return {kv: make_tiny_model("llama", root / f"kv{kv}", num_key_value_heads=kv, **common)
-            for kv in (1, 2)}
+    models = {kv: make_tiny_model("llama", root / f"kv{kv}", num_key_value_heads=kv, **common)
+              for kv in (1, 2)}
+    # The other switches of the family: q/k norm (Qwen3), qkv bias (Qwen2), a tied head.
+    models["qwen3"] = make_tiny_model("qwen3", root / "qwen3", vocab_size=259)
+    models["qwen2"] = make_tiny_model("qwen2", root / "qwen2", vocab_size=259,
+                                      num_key_value_heads=1)
+    models["tied"] = make_tiny_model("llama", root / "tied", vocab_size=259,
+                                     num_key_value_heads=1, tie_word_embeddings=True)
+    return models
 
 
 def _run(tmp: Path, world: int, plan: list) -> dict[str, str]:
@@ -69,6 +76,7 @@ def world_runs(tmp_path_factory, models):
         plan.append(("model_logits", (str(models[1]), str(tmp), "good")))
         if world == 2:
             plan.append(("model_logits", (str(models[2]), str(tmp), "broken", True)))
+            plan += [("model_logits", (str(models[name]), str(tmp), name)) for name in VARIANTS]
         runs[world] = (tmp, _run(tmp, world, plan))
     return runs
 
@@ -121,6 +129,17 @@ def test_model_logits_match_tp1(world_runs, models, world):
     ref = _reference_logits(models[1])
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+VARIANTS = ("qwen3", "qwen2", "tied")
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_family_variants_match_tp1_at_world_2(world_runs, models, name):
+    tmp, _ = world_runs[2]
+    _assert_ok(world_runs, 2, "model_logits", str(models[name]), str(tmp), name)
+    got = torch.load(tmp / f"{name}.pt")
+    torch.testing.assert_close(got, _reference_logits(models[name]), atol=1e-5, rtol=0)
 
 
 def test_rank_blind_kv_loader_breaks_the_logits(world_runs, models):
