@@ -9,7 +9,7 @@ from tiny import make_tiny_model
 
 from ingot import LLM, SamplingParams
 
-pytestmark = pytest.mark.slow  # two engines, one with two worker processes: ~15 s here
+pytestmark = pytest.mark.slow  # four engines, two with two worker processes: ~30 s here
 
 PROMPTS = [[3, 17, 92, 45, 200, 11, 8, 250, 77, 5, 133], [9, 8, 7], list(range(40, 70))]
 
@@ -21,7 +21,7 @@ def gqa_dir(tmp_path_factory):
 
 
 def _outputs(llm: LLM) -> dict[str, list]:
-    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     with_lp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
     seeded = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=7)
     out = {
@@ -38,12 +38,18 @@ def _outputs(llm: LLM) -> dict[str, list]:
 @pytest.fixture(scope="module")
 def runs(gqa_dir):
     common = dict(dtype="float32", skip_tokenizer_init=True, max_model_len=128, block_size=4,
-                  max_num_seqs=4)
+                  max_num_seqs=16)  # room in the decode buckets for drafts
     results = {}
-    for tp, extra in ((1, {}), (2, {"async_scheduling": True})):
-        llm = LLM(str(gqa_dir), tensor_parallel_size=tp, **common, **extra)
+    spec = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                                   "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+                                   "adaptive": False}}
+    for tp, extra in ((1, {}), (2, {"async_scheduling": True}), ("1-spec", spec),
+                      ("2-spec", spec)):
+        size = tp if isinstance(tp, int) else int(tp[0])
+        llm = LLM(str(gqa_dir), tensor_parallel_size=size, **common, **extra)
         try:
-            results[tp] = (_outputs(llm), llm.llm_engine.collective_rpc("startup_stats"))
+            results[tp] = (_outputs(llm), llm.llm_engine.collective_rpc("startup_stats"),
+                           llm.llm_engine.get_stats().get("spec_decode"))
         finally:
             llm.llm_engine.shutdown()
     return results
@@ -70,3 +76,13 @@ def test_two_ranks_agree_on_the_block_count(runs):
     stats = runs[2][1]
     assert len(stats) == 2 and stats[0]["pid"] != stats[1]["pid"]
     assert stats[0]["num_blocks"] == stats[1]["num_blocks"] > 0
+
+
+def test_ngram_speculation_under_tp_keeps_tp1_tokens(runs):
+    """Verification steps under TP: the ranks agree on the accepted tokens (rank 0's are
+    broadcast), greedy output stays TP=1's without speculation, seeded samples TP=1's with."""
+    got, ref = runs["2-spec"][0], runs[1][0]
+    assert got["greedy"] == ref["greedy"] and got["lp_tokens"] == ref["lp_tokens"]
+    assert got["seeded"] == runs["1-spec"][0]["seeded"]
+    stats = runs["2-spec"][2]
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
