@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,11 @@ def init_distributed(world_size: int, rank: int, init_method: str, tp_size: int,
     groups; returns this rank's TP group."""
     global _TP, _WORLD
     backend = backend_for(device)
+    if (backend == "gloo" and init_method.startswith("file://")
+            and "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo")):
+        # A file rendezvous means every rank is on this host: talk over loopback rather than
+        # whatever address the hostname resolves to (unreachable in some containers).
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method=init_method, world_size=world_size,
                                 rank=rank, timeout=datetime.timedelta(seconds=timeout_s))
