@@ -65,11 +65,12 @@ def check_key(name: str, args: tuple[Any, ...]) -> str:
 
 def _build(factory, group: GroupCoordinator | None):  # noqa: ANN001, ANN202
     """Build a module under ``group`` (None: the single-process reference)."""
-    parallel_state.set_tp_group(group)
+    previous = parallel_state.get_tp_group()
+    parallel_state.set_tp_group(group if group is not None else GroupCoordinator.single())
     try:
         return factory()
     finally:
-        parallel_state.set_tp_group(None)
+        parallel_state.set_tp_group(previous)
 
 
 def _randomise(module: torch.nn.Module, seed: int) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import threading
 
 import torch
 import torch.distributed as dist
@@ -56,14 +57,20 @@ def init_distributed(world_size: int, rank: int, init_method: str, tp_size: int,
     return mine
 
 
+# A per-thread override (tests, and the simulated group's rank threads); None: the process's.
+_local = threading.local()
+
+
 def get_tp_group() -> GroupCoordinator:
+    override = getattr(_local, "tp", None)
+    if override is not None:
+        return override
     return _TP if _TP is not None else GroupCoordinator.single()
 
 
 def set_tp_group(group: GroupCoordinator | None) -> None:
-    """Tests: run layers under a given group (None: back to the single-process group)."""
-    global _TP
-    _TP = group
+    """Build layers on this thread under ``group`` (None: back to the process's group)."""
+    _local.tp = group
 
 
 def destroy_distributed() -> None:
