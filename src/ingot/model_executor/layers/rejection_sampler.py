@@ -30,6 +30,7 @@ from ingot.model_executor.layers.sampler import (
     SamplingMetadata,
     compute_logprobs,
     gather_logprobs,
+    greedy_argmax,
     random_sample,
 )
 
@@ -116,10 +117,16 @@ class RejectionSampler:
         device = logits.device
         num_logprobs = metadata.max_num_logprobs
         raw_logprobs = compute_logprobs(logits) if num_logprobs is not None else None
-        processed = self.sampler.apply_logits_processors(
-            logits.to(dtype=torch.float32, copy=True), metadata
-        )
-        target_argmax = processed.argmax(dim=-1)
+        if metadata.all_greedy and metadata.no_penalties and not metadata.min_tokens:
+            # Nothing to process: the argmax of the raw logits, no float32 copy (the plain
+            # sampler's shortcut, so the tokens are its own).
+            processed = logits
+            target_argmax = greedy_argmax(logits)
+        else:
+            processed = self.sampler.apply_logits_processors(
+                logits.to(dtype=torch.float32, copy=True), metadata
+            )
+            target_argmax = processed.argmax(dim=-1)
         draft_rows = spec.target_logits_indices.to(device)
         drafts = spec.draft_token_ids.to(device)
         greedy_row = metadata.temperature.to(device) < _SAMPLING_EPS
