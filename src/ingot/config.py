@@ -54,6 +54,7 @@ KNOWN_ADDITIONAL_CONFIG = {
     "profiler",
     "calibrate_kv_scales",
     "max_num_prefills_per_step",
+    "ep_degree",  # expert-parallel degree (spec §3; validated, not built yet)
 }
 # Prompts packed into one prefill step by default (eager layers). Chosen by measurement on the
 # project's CPU (docs/PERFORMANCE.md, "Packed prefill"); 1 is the original design's rule.
@@ -152,7 +153,14 @@ class SchedulerConfig:
 class ParallelConfig:
     #: "uni": the worker runs in the engine's process; "mp": in child process(es).
     distributed_executor_backend: str = "uni"
-    world_size: int = 1
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+
+    @property
+    def world_size(self) -> int:
+        """Worker processes (ranks): TP x DP (rank = dp_rank * TP + tp_rank)."""
+        return self.tensor_parallel_size * self.data_parallel_size
 
 
 @dataclass
@@ -432,8 +440,14 @@ class EngineArgs:
     compile: bool | None = None
     enable_fx_passes: bool = True
     cache_dir: str | None = None  # compile cache root (default $INGOT_CACHE_ROOT, ~/.cache/ingot)
-    # vLLM's names. None: "uni" for one worker.
+    # vLLM's names. None: "uni" for one worker, "mp" for several.
     distributed_executor_backend: str | None = None
+    # Parallelism (vLLM's names; docs/parallelism.md). DP, PP and EP are validated and then
+    # refused as not built yet.
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     # None = DEFAULT_ASYNC_SCHEDULING; True/False force it.
     async_scheduling: bool | None = None
     # CPU compute threads: None = from the affinity mask, cgroup quota and OMP_NUM_THREADS /
@@ -566,15 +580,21 @@ class EngineArgs:
         )
         if self.enable_prompt_embeds and runner == "pooling":
             raise ValueError("enable_prompt_embeds is for generation; drop it with --runner pooling")
+        tp = self._parallel_sizes(hf_config, additional_config, model_cls, runner)
         speculative = self._speculative_config(runner)
         compilation = self._compilation_config(platform.name, buckets, runner, encoder_only,
-                                               speculative is not None)
+                                               speculative is not None, tp)
         prefills = self._max_prefills(additional_config, compilation)
-        backend = self.distributed_executor_backend or "uni"
+        backend = self.distributed_executor_backend or ("mp" if tp > 1 else "uni")
         if backend not in EXECUTOR_BACKENDS:
             raise ValueError(
                 f"distributed_executor_backend {backend!r} is not supported; use "
                 f"{' or '.join(EXECUTOR_BACKENDS)}"
+            )
+        if tp > 1 and backend != "mp":
+            raise ValueError(
+                f"tensor_parallel_size {tp} runs one worker process per rank: use "
+                "--distributed-executor-backend mp (the default with several ranks)"
             )
         structured_outputs = StructuredOutputsConfig.from_dict(
             self._json_arg("structured_outputs_config", self.structured_outputs_config)
@@ -582,9 +602,21 @@ class EngineArgs:
         cpu_threads = CpuThreadsConfig(self.cpu_threads, self.cpu_threads_bind,
                                        bool(self.cpu_adaptive_threads))
         if platform.name == "cpu":  # bad thread settings fail here, before the model loads
-            from ingot.platforms.cpu_threads import detect_cpu_budget, plan_threads
+            from ingot.platforms.cpu_threads import BIND_ENV, detect_cpu_budget, plan_threads
 
-            plan_threads(detect_cpu_budget(), os.environ, self.cpu_threads, self.cpu_threads_bind)
+            bind = self.cpu_threads_bind or os.environ.get(BIND_ENV, "")
+            if tp > 1 and "|" in bind:  # one list per rank (worker.rank_thread_config)
+                parts = bind.split("|")
+                if len(parts) != tp:
+                    raise ValueError(
+                        f"CPU bind list {bind!r} has {len(parts)} parts for "
+                        f"tensor_parallel_size {tp}; give one list per rank, separated by '|'"
+                    )
+                for part in parts:
+                    plan_threads(detect_cpu_budget(), {}, self.cpu_threads, part)
+            else:
+                plan_threads(detect_cpu_budget(), os.environ, self.cpu_threads,
+                             self.cpu_threads_bind)
         model_config = ModelConfig(
             model=path,
             format=fmt,
@@ -606,6 +638,11 @@ class EngineArgs:
             enable_prompt_embeds=bool(self.enable_prompt_embeds),
         )
         if speculative is not None and speculative.method == "draft_model":
+            if self.tensor_parallel_size > 1:
+                raise ValueError(
+                    "speculative method draft_model is not supported with "
+                    "tensor_parallel_size > 1 yet; use ngram, or --tensor-parallel-size 1"
+                )
             speculative.draft_model_config = _draft_model_config(speculative, model_config)
         return EngineConfig(
             model_config=model_config,
@@ -625,7 +662,8 @@ class EngineArgs:
                 max_num_prefills_per_step=prefills,
                 async_scheduling=self._async_scheduling(runner, speculative),
             ),
-            parallel_config=ParallelConfig(distributed_executor_backend=backend),
+            parallel_config=ParallelConfig(distributed_executor_backend=backend,
+                                           tensor_parallel_size=tp),
             device=platform.name,
             additional_config=additional_config,
             buckets=buckets,
@@ -684,9 +722,37 @@ class EngineArgs:
             )
         return value
 
+    def _parallel_sizes(self, hf_config: Any, additional_config: dict[str, Any],
+                        model_cls: type, runner: str) -> int:
+        """Validate the parallel flags (distributed/layouts.py has the §1-3 rules); returns
+        the tensor-parallel size, the only degree built so far."""
+        from ingot.distributed.layouts import ParallelSizes, validate_parallel_sizes
+
+        sizes = ParallelSizes(
+            tensor_parallel_size=self.tensor_parallel_size,
+            data_parallel_size=self.data_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            enable_expert_parallel=bool(self.enable_expert_parallel),
+            ep_degree=additional_config.get("ep_degree"),
+        )
+        validate_parallel_sizes(sizes, hf_config)
+        tp = sizes.tensor_parallel_size
+        if tp > 1:
+            if runner == "pooling":
+                raise ValueError(
+                    "tensor_parallel_size > 1 is not supported yet with --runner pooling; "
+                    "use --tensor-parallel-size 1"
+                )
+            if not getattr(model_cls, "supports_tensor_parallel", False):
+                raise ValueError(
+                    f"tensor_parallel_size > 1 is not supported yet for {model_cls.__name__}; "
+                    "use --tensor-parallel-size 1"
+                )
+        return tp
+
     def _compilation_config(
         self, platform_name: str, buckets: BucketGrid, runner: str = "generate",
-        encoder_only: bool = False, speculative: bool = False,
+        encoder_only: bool = False, speculative: bool = False, tp: int = 1,
     ) -> CompilationConfig:
         if self.compile is not None and not isinstance(self.compile, bool):
             raise ValueError(f"compile must be true, false or None, got {self.compile!r}")
@@ -707,7 +773,12 @@ class EngineArgs:
                 "compile=True is not supported with speculative_config yet (verification steps "
                 "run eagerly); drop --compile"
             )
-        eager_only = encoder_only or bool(self.enable_prompt_embeds) or speculative
+        if tp > 1 and self.compile:
+            raise ValueError(
+                "compile=True is not supported with tensor_parallel_size > 1 yet (the ranks "
+                "run eagerly); drop --compile"
+            )
+        eager_only = encoder_only or bool(self.enable_prompt_embeds) or speculative or tp > 1
         enabled = not self.enforce_eager and not eager_only and (
             self.compile if self.compile is not None else platform_name == "cuda"
         )
@@ -726,7 +797,7 @@ class EngineArgs:
             # As vLLM: graphs unless --enforce-eager, whether or not the layers are compiled.
             # Decode graphs only: a pooling runner never decodes.
             cuda_graphs=platform_name == "cuda" and not self.enforce_eager and buckets.enabled
-            and runner != "pooling",
+            and runner != "pooling" and tp == 1,
         )
 
     def _pooling(

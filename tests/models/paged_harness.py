@@ -23,7 +23,9 @@ class PagedHarness:
         self.hf_config = config.model_config.hf_config
         self.model = load_model(config.model_config, torch.device("cpu"))
         hf = self.hf_config
-        shape = (2, num_blocks, block_size, hf.num_key_value_heads, head_dim_of(hf))
+        # This rank's KV heads (all of them without tensor parallelism).
+        kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
+        shape = (2, num_blocks, block_size, kv_heads, head_dim_of(hf))
         self.kv = [torch.zeros(shape) for _ in range(hf.num_hidden_layers)]
         self.block_size = block_size
         # Hand blocks out in a shuffled order so requests own non-contiguous blocks.

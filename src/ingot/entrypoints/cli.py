@@ -65,7 +65,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    "(docs/configuration.md)")
     g.add_argument("--distributed-executor-backend", choices=["uni", "mp"], default=None,
                    help="uni: the worker runs in the engine's process (default for one "
-                   "worker); mp: in a child process")
+                   "worker); mp: in child processes, one per rank (default for several)")
+    par = parser.add_argument_group("parallelism (docs/parallelism.md)")
+    par.add_argument("-tp", "--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
+                     help="ranks that split each layer (one worker process each)")
+    par.add_argument("-dp", "--data-parallel-size", type=int, default=d.data_parallel_size,
+                     help="independent replicas (not supported yet)")
+    par.add_argument("-pp", "--pipeline-parallel-size", type=int,
+                     default=d.pipeline_parallel_size, help="(not supported: only 1)")
+    par.add_argument("--enable-expert-parallel", action="store_true",
+                     help="experts split over the ranks, for MoE models (not supported yet)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule the next step while the current one runs (default: "
                    "docs/configuration.md)")

@@ -26,6 +26,7 @@ from torch import nn
 from ingot.config import EngineConfig
 from ingot.core.kv_cache_manager import NULL_BLOCK_ID, cdiv
 from ingot.core.sched_output import SchedulerOutput
+from ingot.distributed.parallel_state import get_tp_group
 from ingot.engine.sampling_params import SamplingParams
 from ingot.model_executor.layers.attention import AttentionMetadata
 from ingot.model_executor.layers.linear import kernel_rows
@@ -34,6 +35,7 @@ from ingot.model_executor.layers.rejection_sampler import RejectionSampler, Spec
 from ingot.model_executor.layers.sampler import (
     LogprobsTensors,
     Sampler,
+    SamplerOutput,
     SamplingMetadata,
     compute_prompt_logprobs,
 )
@@ -104,6 +106,7 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.vocab_size = config.model_config.vocab_size
         self.sampler = Sampler()
+        self.tp_group = get_tp_group()
         self.requests: dict[str, CachedRequestState] = {}
         self.grid = config.buckets
         self.decode_graphs: DecodeGraphs | None = None
@@ -422,10 +425,23 @@ class ModelRunner:
         self, hidden: torch.Tensor, so: SchedulerOutput, sample_rows: list[int],
         sample_reqs: list[str], states: list[CachedRequestState],
     ) -> tuple[list[list[int]], LogprobsTensors | None]:
-        # Model dtype: the sampler makes its own float32 copy only when it processes them.
-        logits = self.model.compute_logits(hidden[sample_rows])
-        apply_grammar_bitmask(logits, sample_reqs, so.grammar_bitmask)
-        result = self.sampler(logits, self._sampling_metadata(states))
+        """Logits and sampling for the rows that sample. Under TP every rank must feed the
+        same token to its next step: plain greedy rows take the argmax over the vocab shards
+        (no logits gathered, identical on every rank); anything else samples on the gathered
+        logits and rank 0's tokens are broadcast."""
+        metadata = self._sampling_metadata(states)
+        tp = self.tp_group
+        if tp.world_size > 1 and metadata.argmax_only and so.grammar_bitmask is None:
+            result = SamplerOutput(
+                sampled_token_ids=self.model.greedy_token_ids(hidden[sample_rows]),
+                logprobs_tensors=None)
+        else:
+            # Model dtype: the sampler makes its own float32 copy only when it processes them.
+            logits = self.model.compute_logits(hidden[sample_rows])
+            apply_grammar_bitmask(logits, sample_reqs, so.grammar_bitmask)
+            result = self.sampler(logits, metadata)
+            if tp.world_size > 1:
+                result.sampled_token_ids = tp.broadcast(result.sampled_token_ids.contiguous(), 0)
         if not so.is_prefill:
             self._prev_decode = (sample_reqs, result.sampled_token_ids)
         return [[t] for t in result.sampled_token_ids.tolist()], result.logprobs_tensors
@@ -444,7 +460,19 @@ class ModelRunner:
                        for j in range(len(d) + 1)]
         result = self.rejection_sampler(logits, self._sampling_metadata(row_states, row_outputs),
                                         spec)
+        if self.tp_group.world_size > 1:
+            return self._agree_on_tokens(result.token_ids, drafts), result.logprobs_tensors
         return result.token_ids, result.logprobs_tensors
+
+    def _agree_on_tokens(self, tokens: list[list[int]], drafts: list[list[int]]) -> list[list[int]]:
+        """Rank 0's accepted tokens on every rank (each request has at most its drafts + 1, a
+        shape every rank knows, so one fixed-size broadcast carries them)."""
+        width = max(len(d) for d in drafts) + 1
+        table = torch.full((len(tokens), width), -1, dtype=torch.int64)
+        for row, ids in enumerate(tokens):
+            table[row, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        table = self.tp_group.broadcast(table.to(self.device), 0).cpu()
+        return [[t for t in row if t >= 0] for row in table.tolist()]
 
     def _prompt_embeds_inputs(
         self, so: SchedulerOutput, num_rows: int

@@ -55,7 +55,8 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def _worker_main(
-    config: EngineConfig, rank: int, in_addr: str, out_addr: str, parent_pid: int, log_level: int
+    config: EngineConfig, rank: int, in_addr: str, out_addr: str, parent_pid: int, log_level: int,
+    distributed_init_method: str | None = None,
 ) -> None:
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [rank {rank}] %(message)s")
     logging.getLogger("ingot").setLevel(log_level)
@@ -75,7 +76,7 @@ def _worker_main(
     try:
         from ingot.worker.worker import Worker
 
-        worker = Worker(config, rank=rank)
+        worker = Worker(config, rank=rank, distributed_init_method=distributed_init_method)
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
         reply("error", traceback.format_exc())
         return
@@ -132,6 +133,9 @@ class MultiprocExecutor(Executor):
         self._pending: deque[tuple[_Reply, str, Callable[[list[Any]], Any]]] = deque()
         spawn = multiprocessing.get_context("spawn")
         level = logging.getLogger("ingot").getEffectiveLevel()
+        # torch.distributed rendezvous through a file in our private directory: no port to
+        # pick (and race for), and it goes with the directory.
+        init_method = f"file://{self._tmpdir}/dist-init" if self.world_size > 1 else None
         for rank in range(self.world_size):
             sock = self._ctx.socket(zmq.PUSH)
             in_addr = f"ipc://{self._tmpdir}/in{rank}"
@@ -139,7 +143,7 @@ class MultiprocExecutor(Executor):
             self._inboxes.append(sock)
             proc = spawn.Process(
                 target=_worker_main,
-                args=(config, rank, in_addr, out_addr, os.getpid(), level),
+                args=(config, rank, in_addr, out_addr, os.getpid(), level, init_method),
                 name=f"ingot-worker-{rank}",
             )
             proc.start()

@@ -4,6 +4,7 @@ steps through its ModelRunner."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import math
 import os
@@ -17,6 +18,7 @@ import torch
 from ingot.config import EngineConfig
 from ingot.core.kv_cache_manager import cdiv
 from ingot.core.sched_output import SchedulerOutput
+from ingot.distributed.layouts import kv_heads_per_rank
 from ingot.model_executor.layers.linear import resident_weight_bytes
 from ingot.model_executor.loader.model_loader import load_model
 from ingot.model_executor.models.llama import head_dim_of
@@ -34,31 +36,42 @@ from ingot.worker.profiler import ProfilerConfig, StepProfiler
 
 logger = logging.getLogger("ingot")
 
+def rank_kv_heads(config: EngineConfig, hf: Any = None) -> int:
+    """KV heads one rank caches: its share under TP (one, replicated, when TP > KV heads)."""
+    hf = hf if hf is not None else config.model_config.hf_config
+    num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+    return kv_heads_per_rank(num_kv_heads, config.parallel_config.tensor_parallel_size)
+
+
 def _kv_layer_shapes(config: EngineConfig, num_blocks: int) -> list[tuple[int, ...]]:
-    """One cache tensor per attention layer: the target's, then a draft model's (speculative
-    decoding: its blocks are the target's block ids, in tensors of its own)."""
+    """One cache tensor per attention layer on this rank: the target's, then a draft model's
+    (speculative decoding: its blocks are the target's block ids, in tensors of its own)."""
     models = [config.model_config.hf_config]
     spec = config.speculative_config
     if spec is not None and spec.draft_model_config is not None:
         models.append(spec.draft_model_config.hf_config)
     shapes = []
     for hf in models:
-        num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
-        shape = (2, num_blocks, config.cache_config.block_size, num_kv_heads, head_dim_of(hf))
+        shape = (2, num_blocks, config.cache_config.block_size, rank_kv_heads(config, hf),
+                 head_dim_of(hf))
         shapes += [shape] * hf.num_hidden_layers
     return shapes
 
 
 def kv_bytes_per_block(config: EngineConfig, dtype: torch.dtype) -> int:
+    """Bytes of one block on one rank (its KV heads, every layer)."""
     elem = torch.empty((), dtype=dtype).element_size()
     return sum(math.prod(shape) * elem for shape in _kv_layer_shapes(config, 1))
 
 
 def plan_num_blocks(
-    config: EngineConfig, total_bytes: int, weight_bytes: int, dtype: torch.dtype
+    config: EngineConfig, total_bytes: int, weight_bytes: int, dtype: torch.dtype,
+    ranks_sharing: int = 1,
 ) -> int:
     """Block count from the memory budget; ``num_gpu_blocks_override`` wins. Checks that at
-    least one request of ``max_model_len`` tokens fits."""
+    least one request of ``max_model_len`` tokens fits. ``ranks_sharing``: ranks that share
+    ``total_bytes`` (TP ranks on one CPU host); each plans with its share, and the budget's
+    minimum is shared out the same way."""
     cache, sched = config.cache_config, config.scheduler_config
     per_block = kv_bytes_per_block(config, dtype)
     if cache.num_gpu_blocks_override is not None:
@@ -70,11 +83,11 @@ def plan_num_blocks(
             source = "kv_cache_memory_bytes"
         else:
             budget = compute_kv_budget(
-                total_bytes,
+                total_bytes // ranks_sharing,
                 weight_bytes,
                 cache.gpu_memory_utilization,
                 cap_fraction_from_env(),
-                min_budget_gib_from_env(),
+                min_budget_gib_from_env() / ranks_sharing,
             )
             source = "gpu_memory_utilization"
         # +1: block 0 is the null block. More than every sequence at full length is never used.
@@ -110,7 +123,7 @@ def calibrate_kv_scales(model: torch.nn.Module, config: EngineConfig, device: to
     tokens = torch.randint(0, config.model_config.vocab_size, (n,), generator=gen).to(device)
     positions = torch.arange(n, device=device)
     num_blocks = cdiv(n, bs)
-    num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+    num_kv_heads = rank_kv_heads(config)
     shape = (2, num_blocks + 1, bs, num_kv_heads, head_dim_of(hf))
     caches = [torch.zeros(shape, dtype=config.model_config.dtype, device=device)
               for _ in range(hf.num_hidden_layers)]
@@ -175,19 +188,56 @@ def advise_huge_pages(buffer: torch.Tensor) -> bool:
         return False
 
 
+def rank_thread_config(config: EngineConfig, rank: int) -> EngineConfig:
+    """The config this rank plans its CPU threads from. With several ranks on one host, a
+    ``|``-separated bind list (vLLM's VLLM_CPU_OMP_THREADS_BIND form, or --cpu-threads-bind)
+    gives rank i its i-th part; without any thread setting each rank takes its share of the
+    CPUs, so the ranks do not oversubscribe them."""
+    world = config.parallel_config.world_size
+    if world == 1:
+        return config
+    from ingot.platforms.cpu_threads import BIND_ENV, detect_cpu_budget
+
+    threads = config.cpu_threads
+    bind = threads.bind if threads.bind is not None else os.environ.get(BIND_ENV, "").strip()
+    if bind and "|" in bind:
+        parts = bind.split("|")
+        if len(parts) != world:
+            raise ValueError(f"CPU bind list {bind!r} has {len(parts)} parts for {world} ranks; "
+                             "give one list per rank, separated by '|'")
+        threads = dataclasses.replace(threads, bind=parts[rank])
+    elif threads.threads is None and not bind and not os.environ.get("OMP_NUM_THREADS"):
+        threads = dataclasses.replace(threads, threads=max(1, detect_cpu_budget().usable // world))
+    return dataclasses.replace(config, cpu_threads=threads)
+
+
 class Worker:
     """Lifecycle, driven by an executor: ``determine_num_blocks`` (load the model, plan the KV
     cache from the memory budget), then ``initialize_cache(num_blocks)`` with the count the
     executor agreed on (the minimum over workers), which allocates the cache and compiles or
     warms up every bucket; then ``execute_model`` per step."""
 
-    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0,
+                 distributed_init_method: str | None = None) -> None:
         self.config = config
         self.rank = rank
         self.platform = resolve_platform(config.device)
         self.device = self.platform.device()
+        parallel = config.parallel_config
+        if parallel.world_size > 1:
+            from ingot.distributed.parallel_state import init_distributed
+
+            if self.device.type == "cuda":  # one GPU per rank
+                self.device = torch.device("cuda", rank % max(1, torch.cuda.device_count()))
+                torch.cuda.set_device(self.device)
+            if distributed_init_method is None:
+                raise ValueError("a worker of several ranks needs distributed_init_method")
+            # The model's layers size their shards from the TP group built here.
+            init_distributed(parallel.world_size, rank, distributed_init_method,
+                             parallel.tensor_parallel_size, self.device)
         # CPU compute threads: count, binding, adaptivity (platforms/cpu_threads.py).
-        self.cpu_threads = start_cpu_threads(config) if self.device.type == "cpu" else None
+        self.cpu_threads = (start_cpu_threads(rank_thread_config(config, rank))
+                            if self.device.type == "cpu" else None)
         torch.manual_seed(config.model_config.seed)
         start = time.perf_counter()
         self.model = load_model(config.model_config, self.device,
@@ -220,7 +270,9 @@ class Worker:
     def determine_num_blocks(self) -> int:
         # Memory still free now, plus what the weights took: the total before loading.
         total = self.platform.available_memory_bytes(self.device) + self.load_bytes
-        return plan_num_blocks(self.config, total, self.load_bytes, self.kv_dtype)
+        # On CPU the ranks share the host's memory (a GPU is each rank's own).
+        sharing = self.config.parallel_config.world_size if self.device.type == "cpu" else 1
+        return plan_num_blocks(self.config, total, self.load_bytes, self.kv_dtype, sharing)
 
     def initialize_cache(self, num_blocks: int) -> None:
         config = self.config

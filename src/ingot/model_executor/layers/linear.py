@@ -3,6 +3,12 @@
 Each parameter carries a ``weight_loader(param, loaded_weight, shard_id=None)`` attribute, as in
 vLLM, so fused projections (QKV, gate-up) take the separate checkpoint tensors without the model
 loader knowing about the fusion.
+
+Tensor parallelism (spec §1): the ``*ParallelLinear`` layers size their weights from their TP
+group and their loaders take the rank's shard of the full checkpoint tensor. Column-parallel
+layers split the output dim and need no collective; row-parallel layers split the input dim and
+all-reduce their partial sums. In a group of one rank they are the plain layers: same shapes,
+same packed kernels, no collective.
 """
 
 from __future__ import annotations
@@ -15,6 +21,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ingot.distributed.group import GroupCoordinator
+from ingot.distributed.layouts import kv_head_start, kv_heads_per_rank
+from ingot.distributed.parallel_state import get_tp_group
 from ingot.model_executor.layers.cpu_kernels import (
     GEMV_MAX_ROWS,
     CpuKernels,
@@ -186,6 +195,155 @@ class QKVLinear(MergedLinear):
 
     def _shard_index(self, shard_id: int | str) -> int:
         return {"q": 0, "k": 1, "v": 2}[shard_id] if isinstance(shard_id, str) else int(shard_id)
+
+
+# ---- tensor parallelism ------------------------------------------------------------------------
+
+
+def shard_of(loaded: torch.Tensor, dim: int, index: int, num_shards: int) -> torch.Tensor:
+    """Shard ``index`` of ``num_shards`` equal slices of ``loaded`` along ``dim`` (a view)."""
+    size = loaded.shape[dim]
+    if size % num_shards:
+        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)}: dim {dim} does not "
+                         f"split into {num_shards} equal shards")
+    step = size // num_shards
+    return loaded.narrow(dim, index * step, step)
+
+
+def sharding_weight_loader(shard_dim: int, rank: int, num_shards: int):  # noqa: ANN201
+    """A loader that copies shard ``rank`` of the checkpoint tensor along ``shard_dim``."""
+
+    def load(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        default_weight_loader(param, shard_of(loaded_weight, shard_dim, rank, num_shards))
+
+    load.shard_dim, load.rank, load.num_shards = shard_dim, rank, num_shards
+    return load
+
+
+def _tp(group: GroupCoordinator | None) -> GroupCoordinator:
+    return group if group is not None else get_tp_group()
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output dim split over the TP group: rank r holds rows [r*O/TP, (r+1)*O/TP) of the
+    weight (and bias); its output is its slice of the full output."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 tp_group: GroupCoordinator | None = None) -> None:
+        self.tp_group = _tp(tp_group)
+        tp = self.tp_group.world_size
+        if output_size % tp:
+            raise ValueError(f"output size {output_size} does not split over {tp} TP ranks")
+        super().__init__(input_size, output_size // tp, bias)
+        loader = sharding_weight_loader(0, self.tp_group.rank_in_group, tp)
+        _set_loader(self.weight, loader)
+        _set_loader(self.bias, loader)
+
+
+class RowParallelLinear(LinearBase):
+    """Input dim split over the TP group: rank r holds columns [r*I/TP, (r+1)*I/TP) and
+    multiplies its slice of the input; the partial sums are all-reduced. The bias lives on
+    rank 0 only (zeros elsewhere), so the sum holds it once."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 tp_group: GroupCoordinator | None = None) -> None:
+        self.tp_group = _tp(tp_group)
+        tp = self.tp_group.world_size
+        if input_size % tp:
+            raise ValueError(f"input size {input_size} does not split over {tp} TP ranks")
+        super().__init__(input_size // tp, output_size, bias)
+        self.tp_size = tp
+        _set_loader(self.weight, sharding_weight_loader(1, self.tp_group.rank_in_group, tp))
+        _set_loader(self.bias, self._load_bias)
+
+    def _load_bias(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        if self.tp_group.rank_in_group == 0:
+            default_weight_loader(param, loaded_weight)
+        else:
+            default_weight_loader(param, torch.zeros_like(loaded_weight))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if self.tp_size > 1:
+            self.tp_group.all_reduce(out)
+        return out
+
+
+class MergedColumnParallelLinear(MergedLinear):
+    """Several column-parallel projections of one input fused on the output dim (gate-up):
+    each part is split over the TP group and the rank's slices lie end to end."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 tp_group: GroupCoordinator | None = None) -> None:
+        self.tp_group = _tp(tp_group)
+        tp = self.tp_group.world_size
+        for size in output_sizes:
+            if size % tp:
+                raise ValueError(f"output size {size} does not split over {tp} TP ranks")
+        self.full_output_sizes = list(output_sizes)
+        super().__init__(input_size, [s // tp for s in output_sizes], bias)
+
+    def _source_shard(self, i: int) -> tuple[int, int]:
+        """(shard index, shard count) of part ``i`` of the checkpoint tensor for this rank."""
+        return self.tp_group.rank_in_group, self.tp_group.world_size
+
+    def _load_shard(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | str | None = None
+    ) -> None:
+        if shard_id is None:  # an already-fused checkpoint tensor: its parts one by one
+            if loaded_weight.shape[0] != sum(self.full_output_sizes):
+                raise ValueError(
+                    f"checkpoint tensor has shape {tuple(loaded_weight.shape)}, the fused "
+                    f"projection expects {sum(self.full_output_sizes)} rows"
+                )
+            for i, part in enumerate(loaded_weight.split(self.full_output_sizes, dim=0)):
+                self._load_shard(param, part, i)
+            return
+        i = self._shard_index(shard_id)
+        index, count = self._source_shard(i)
+        rows = param.data.narrow(0, self.shard_offsets[i], self.output_sizes[i])
+        default_weight_loader(rows, shard_of(loaded_weight, 0, index, count))
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """q, k, v fused and split by heads: rank r holds num_heads/TP query heads and
+    max(1, num_kv_heads/TP) KV heads; with TP > num_kv_heads each KV head is replicated on
+    TP/num_kv_heads consecutive ranks. Shard ids ``"q"``, ``"k"``, ``"v"``."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False, tp_group: GroupCoordinator | None = None) -> None:
+        group = _tp(tp_group)
+        tp = group.world_size
+        if num_heads % tp or (num_kv_heads % tp and tp % num_kv_heads):
+            raise ValueError(f"{num_heads} query / {num_kv_heads} KV heads do not split over "
+                             f"{tp} TP ranks")
+        self.num_heads = num_heads // tp
+        self.num_kv_heads = kv_heads_per_rank(num_kv_heads, tp)
+        self.total_num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        kv_full = num_kv_heads * head_dim
+        # The parts' full sizes; a KV part's per-rank size is kv_size, not kv_full / TP, when
+        # the heads are replicated, so the sizes are set here rather than by the base class.
+        super().__init__(hidden_size, [num_heads * head_dim, kv_full, kv_full], bias, group)
+        self.output_sizes = [self.q_size, self.kv_size, self.kv_size]
+        self.shard_offsets = [0, self.q_size, self.q_size + self.kv_size]
+        self.output_size = sum(self.output_sizes)
+        self.weight.data = self.weight.data.new_empty(self.output_size, hidden_size)
+        if self.bias is not None:
+            self.bias.data = self.bias.data.new_empty(self.output_size)
+
+    def _shard_index(self, shard_id: int | str) -> int:
+        return {"q": 0, "k": 1, "v": 2}[shard_id] if isinstance(shard_id, str) else int(shard_id)
+
+    def _source_shard(self, i: int) -> tuple[int, int]:
+        rank, tp = self.tp_group.rank_in_group, self.tp_group.world_size
+        if i == 0:
+            return rank, tp
+        # In units of this rank's KV heads: shard index = first head / heads per rank.
+        start = kv_head_start(self.total_num_kv_heads, tp, rank)
+        return start // self.num_kv_heads, self.total_num_kv_heads // self.num_kv_heads
 
 
 def resident_weight_bytes(model: nn.Module) -> int:

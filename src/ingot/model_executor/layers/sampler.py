@@ -63,6 +63,12 @@ class SamplingMetadata:
     # row -> (min_tokens, stop ids incl. eos) masked while len(output) < min_tokens
     min_tokens: dict[int, tuple[int, set[int]]]
 
+    @property
+    def argmax_only(self) -> bool:
+        """Every row is greedy with nothing to process: the token is the raw argmax."""
+        return (self.all_greedy and self.max_num_logprobs is None and self.no_penalties
+                and not self.min_tokens)
+
     @classmethod
     def from_params(
         cls,
@@ -312,12 +318,7 @@ class Sampler(torch.nn.Module):
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """``logits`` [B, V] in the model dtype or float32."""
         num_logprobs = metadata.max_num_logprobs
-        if (
-            metadata.all_greedy
-            and num_logprobs is None
-            and metadata.no_penalties
-            and not metadata.min_tokens
-        ):
+        if metadata.argmax_only:
             # Nothing to process: argmax of the raw logits, with no float32 copy (the float32
             # argmax would be the same: bf16 -> float32 is exact).
             return SamplerOutput(sampled_token_ids=greedy_argmax(logits), logprobs_tensors=None)

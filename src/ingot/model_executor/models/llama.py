@@ -3,6 +3,12 @@
 One implementation, switched by config: the four architectures differ only in biases, per-head
 q/k RMSNorm and sliding-window attention. Projections are fused (QKV and gate-up); the separate
 checkpoint tensors land in their shard through each parameter's ``weight_loader``.
+
+Tensor parallelism (spec §1): the layers size themselves from ``get_tp_group()`` when the model
+is built. QKV, gate-up and the LM head are column-parallel, O and down row-parallel (one
+all-reduce each), the embedding vocab-parallel; norms and RoPE are replicated. A rank holds
+num_heads/TP query heads and its share of the KV heads (one, replicated, when TP > KV heads).
+With one rank these are the plain layers.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ingot.distributed.parallel_state import get_tp_group
 from ingot.model_executor.layers.attention import (
     AttentionMetadata,
     KVScales,
@@ -29,12 +36,12 @@ from ingot.model_executor.layers.cpu_kernels import (
 )
 from ingot.model_executor.layers.layernorm import RMSNorm
 from ingot.model_executor.layers.linear import (
-    MergedLinear,
-    QKVLinear,
-    ReplicatedLinear,
-    default_weight_loader,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
 )
 from ingot.model_executor.layers.rotary import RotaryEmbedding, rope_parameters_of
+from ingot.model_executor.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
 
 def head_dim_of(config: Any) -> int:
@@ -50,15 +57,18 @@ class DecoderAttention(nn.Module):
         size (an EAGLE3 head attends over [token embedding, hidden state], 2 x hidden)."""
         super().__init__()
         qkv_bias, o_bias = biases
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
         self.head_dim = head_dim_of(config)
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = QKVLinear(
-            qkv_input_size or config.hidden_size, self.head_dim, self.num_heads,
-            self.num_kv_heads, bias=qkv_bias,
+        self.qkv_proj = QKVParallelLinear(
+            qkv_input_size or config.hidden_size, self.head_dim, total_heads, total_kv_heads,
+            bias=qkv_bias,
         )
-        self.o_proj = ReplicatedLinear(self.num_heads * self.head_dim, config.hidden_size, o_bias)
+        # This rank's heads (all of them without TP).
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size, o_bias)
         self.rotary = rotary
         eps = config.rms_norm_eps
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
@@ -126,8 +136,8 @@ class DecoderMLP(nn.Module):
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias=bias)
-        self.down_proj = ReplicatedLinear(size, config.hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias=bias)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias)
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported; only 'silu' is")
@@ -175,9 +185,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, config: Any, qk_norm: bool, biases: tuple[bool, bool]) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.embed_tokens.weight.weight_loader = default_weight_loader
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary = RotaryEmbedding(
             head_dim_of(config), config.max_position_embeddings, rope_parameters_of(config)
         )
@@ -221,6 +229,7 @@ class LlamaForCausalLM(nn.Module):
     """Also serves MistralForCausalLM; subclasses switch on Qwen's differences."""
 
     qk_norm = False
+    supports_tensor_parallel = True
 
     # checkpoint name fragment -> (fused parameter fragment, shard id)
     stacked_params = (
@@ -240,7 +249,8 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.sliding_window = window
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.cpu_decode: Any = None  # LlamaCpuDecode, set by enable_cpu_decode()
-        self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size)
+        self.tp_size = get_tp_group().world_size
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
         if self.tie_word_embeddings:
             # One shared parameter (named_parameters reports it once, as the embedding), so the
             # head is an ordinary linear layer that can be packed like the others.
@@ -277,11 +287,18 @@ class LlamaForCausalLM(nn.Module):
         llama_cpu_decode.py). Returns whether every layer could take it."""
         from ingot.model_executor.models.llama_cpu_decode import LlamaCpuDecode
 
+        if self.tp_size > 1:
+            return False  # its kernel sequence has no all-reduce between the layers' halves
         self.cpu_decode = LlamaCpuDecode.build(self)
         return self.cpu_decode is not None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        """Logits over the whole vocabulary (gathered from the shards under TP)."""
+        return self.lm_head.gather(self.lm_head(hidden))
+
+    def greedy_token_ids(self, hidden: torch.Tensor) -> torch.Tensor:
+        """argmax of ``compute_logits(hidden)`` without gathering the logits (TP)."""
+        return self.lm_head.greedy(self.lm_head(hidden))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors; returns the set of parameter names that were filled."""

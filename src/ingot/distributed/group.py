@@ -1,0 +1,85 @@
+"""GroupCoordinator: one process group and its collectives, over torch.distributed (gloo on
+CPU, NCCL on CUDA). Every collective the model uses goes through here, so a backend that lacks
+one (gloo: no ``reduce_scatter`` in older releases, no ``all_to_all``) gets a fallback in one
+place. A group of one rank needs no process group at all: every collective is the identity.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class GroupCoordinator:
+    def __init__(self, ranks: list[int], rank: int, device_group: dist.ProcessGroup | None,
+                 backend: str = "gloo") -> None:
+        if rank not in ranks:
+            raise ValueError(f"rank {rank} is not in the group {ranks}")
+        self.ranks = list(ranks)
+        self.rank = rank  # global rank
+        self.world_size = len(ranks)
+        self.rank_in_group = self.ranks.index(rank)
+        self.device_group = device_group
+        self.backend = backend
+        if self.world_size > 1 and device_group is None:
+            raise ValueError("a group of several ranks needs a process group")
+
+    @classmethod
+    def single(cls) -> GroupCoordinator:
+        """The group of this process alone (TP = 1): no collectives happen."""
+        return cls([0], 0, None)
+
+    def __repr__(self) -> str:
+        return f"GroupCoordinator(ranks={self.ranks}, rank_in_group={self.rank_in_group})"
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the group, in place; returns ``x``."""
+        if self.world_size > 1:
+            dist.all_reduce(x, group=self.device_group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Every rank's ``x`` concatenated along ``dim``, in group order."""
+        if self.world_size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x, group=self.device_group)
+        return torch.cat(parts, dim=dim)
+
+    def reduce_scatter(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """This rank's chunk of the group sum along ``dim`` (all-reduce + narrow: gloo's
+        reduce_scatter is missing in older torch releases)."""
+        if self.world_size == 1:
+            return x
+        size = x.shape[dim]
+        if size % self.world_size:
+            raise ValueError(f"reduce_scatter: dim {dim} of size {size} is not divisible by "
+                             f"the group's {self.world_size} ranks")
+        total = self.all_reduce(x.clone())
+        chunk = size // self.world_size
+        return total.narrow(dim, self.rank_in_group * chunk, chunk).contiguous()
+
+    def all_to_all(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Chunk j of ``x`` along ``dim`` goes to rank j; returns the chunks this rank
+        received, concatenated in sender order (all-gather + select: gloo has no all_to_all)."""
+        if self.world_size == 1:
+            return x
+        size = x.shape[dim]
+        if size % self.world_size:
+            raise ValueError(f"all_to_all: dim {dim} of size {size} is not divisible by "
+                             f"the group's {self.world_size} ranks")
+        chunk = size // self.world_size
+        gathered = self.all_gather(x.unsqueeze(0), dim=0)  # [world, ...]
+        mine = gathered.narrow(dim + 1, self.rank_in_group * chunk, chunk)
+        return torch.cat(list(mine.unbind(0)), dim=dim)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """``x`` from the group's rank ``src`` (group-local), in place; returns ``x``."""
+        if self.world_size > 1:
+            dist.broadcast(x, src=self.ranks[src], group=self.device_group)
+        return x
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.device_group)

@@ -1,0 +1,80 @@
+"""The process-wide groups of one worker: ``init_distributed(...)`` joins the world and builds
+the TP groups (every rank creates every group, in the same order, as torch.distributed
+requires); ``get_tp_group()`` is what the model's layers size their shards from. Before (or
+without) initialisation the TP group is this process alone, so TP = 1 never touches
+torch.distributed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import threading
+
+import torch
+import torch.distributed as dist
+
+from ingot.distributed.group import GroupCoordinator
+from ingot.distributed.layouts import tp_group_ranks
+
+logger = logging.getLogger("ingot")
+
+_TP: GroupCoordinator | None = None
+_WORLD: GroupCoordinator | None = None
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_distributed(world_size: int, rank: int, init_method: str, tp_size: int,
+                     device: torch.device, timeout_s: float = 600.0) -> GroupCoordinator:
+    """Join the world (``init_method`` is tcp://host:port or file://path) and build the TP
+    groups; returns this rank's TP group."""
+    global _TP, _WORLD
+    backend = backend_for(device)
+    if (backend == "gloo" and init_method.startswith("file://")
+            and "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo")):
+        # A file rendezvous means every rank is on this host: talk over loopback rather than
+        # whatever address the hostname resolves to (unreachable in some containers).
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method=init_method, world_size=world_size,
+                                rank=rank, timeout=datetime.timedelta(seconds=timeout_s))
+    _WORLD = GroupCoordinator(list(range(world_size)), rank, dist.group.WORLD, backend)
+    mine = None
+    for ranks in tp_group_ranks(world_size, tp_size):
+        # The world itself needs no second group.
+        group = dist.group.WORLD if len(ranks) == world_size else dist.new_group(ranks,
+                                                                                 backend=backend)
+        if rank in ranks:
+            mine = GroupCoordinator(ranks, rank, group, backend)
+    assert mine is not None
+    _TP = mine
+    logger.info("torch.distributed (%s): rank %d of %d, TP group %s", backend, rank, world_size,
+                mine.ranks)
+    return mine
+
+
+# A per-thread override (tests, and the simulated group's rank threads); None: the process's.
+_local = threading.local()
+
+
+def get_tp_group() -> GroupCoordinator:
+    override = getattr(_local, "tp", None)
+    if override is not None:
+        return override
+    return _TP if _TP is not None else GroupCoordinator.single()
+
+
+def set_tp_group(group: GroupCoordinator | None) -> None:
+    """Build layers on this thread under ``group`` (None: back to the process's group)."""
+    _local.tp = group
+
+
+def destroy_distributed() -> None:
+    global _TP, _WORLD
+    _TP = _WORLD = None
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,150 @@
+"""Tensor parallelism over real torch.distributed (gloo, spawned processes, tiny fp32 models):
+every sharded module equals its unsharded reference at world 2 and 4, loader shards
+concatenate to the checkpoint tensors, the distributed argmax equals argmax of the full
+logits (ties included), and the whole model's logits equal TP=1 within 1e-5 (GQA with
+TP > KV heads); a rank-blind KV loader must break that comparison.
+
+The checks run inside the ranks (tp_checks.py). Process start-up dominates on a shared 2-core
+machine, so one spawn per world size runs every check and the tests read its outcomes."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).parent))
+import tp_checks  # noqa: E402
+from paged_harness import PagedHarness  # noqa: E402
+from tiny import make_tiny_model  # noqa: E402
+
+# One spawn per world size runs every check: ~12 s (world 2) + ~13 s (world 4) here.
+pytestmark = pytest.mark.slow
+
+MODULE_CHECKS = {
+    2: [("collectives", ()), ("linears", ()), ("qkv_loader", (4, 2)), ("qkv_loader", (4, 1)),
+        ("attention_and_mlp", (2,)), ("attention_and_mlp", (1,)), ("vocab", (259,))],
+    4: [("collectives", ()), ("linears", ()), ("qkv_loader", (8, 2)),
+        ("attention_and_mlp", (2,)), ("attention_and_mlp", (4,)), ("vocab", (259,))],
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """GQA Llamas with an odd vocab (the last shard padded) and biases: 1 KV head (TP 2 and 4
+    > KV heads) and 2 KV heads (for the broken loader: a rank-blind KV shard differs)."""
+    root = tmp_path_factory.mktemp("tp-models")
+    common = dict(vocab_size=259, attention_bias=True, mlp_bias=True)
+    models = {kv: make_tiny_model("llama", root / f"kv{kv}", num_key_value_heads=kv, **common)
+              for kv in (1, 2)}
+    # The other switches of the family: q/k norm (Qwen3), qkv bias (Qwen2), a tied head.
+    models["qwen3"] = make_tiny_model("qwen3", root / "qwen3", vocab_size=259)
+    models["qwen2"] = make_tiny_model("qwen2", root / "qwen2", vocab_size=259,
+                                      num_key_value_heads=1)
+    models["tied"] = make_tiny_model("llama", root / "tied", vocab_size=259,
+                                     num_key_value_heads=1, tie_word_embeddings=True)
+    return models
+
+
+def _run(tmp: Path, world: int, plan: list) -> dict[str, str]:
+    """Spawn ``world`` ranks over ``plan``; the outcome of each check (``"ok"`` or the first
+    failing rank's traceback; checks after a failure are missing)."""
+    try:
+        mp.spawn(tp_checks.entry, args=(world, str(tmp / "init"), str(tmp), plan),
+                 nprocs=world, join=True)
+    except Exception:  # noqa: BLE001 - the per-check files say what failed
+        pass
+    outcome: dict[str, str] = {}
+    for rank in range(world):
+        f = tmp / f"rank{rank}.json"
+        for key, value in (json.loads(f.read_text()) if f.exists() else {}).items():
+            if outcome.get(key, "ok") == "ok":
+                outcome[key] = value if value == "ok" else f"rank {rank}: {value}"
+    return outcome
+
+
+@pytest.fixture(scope="module")
+def world_runs(tmp_path_factory, models):
+    runs = {}
+    for world, checks in MODULE_CHECKS.items():
+        tmp = tmp_path_factory.mktemp(f"tp{world}")
+        plan = list(checks)
+        plan.append(("model_logits", (str(models[1]), str(tmp), "good")))
+        if world == 2:
+            plan.append(("model_logits", (str(models[2]), str(tmp), "broken", True)))
+            plan += [("model_logits", (str(models[name]), str(tmp), name)) for name in VARIANTS]
+        runs[world] = (tmp, _run(tmp, world, plan))
+    return runs
+
+
+def _assert_ok(world_runs, world: int, name: str, *args) -> None:  # noqa: ANN002
+    key = tp_checks.check_key(name, args)
+    outcome = world_runs[world][1].get(key, "not run: an earlier check failed")
+    assert outcome == "ok", f"world {world}, {key}:\n{outcome}"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_collectives(world_runs, world):
+    _assert_ok(world_runs, world, "collectives")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_column_row_gate_up_linears_and_a_rank_blind_loader(world_runs, world):
+    _assert_ok(world_runs, world, "linears")
+
+
+@pytest.mark.parametrize("world, heads, kv_heads", [(2, 4, 2), (2, 4, 1), (4, 8, 2)])
+def test_qkv_loader_shards_concatenate(world_runs, world, heads, kv_heads):
+    _assert_ok(world_runs, world, "qkv_loader", heads, kv_heads)
+
+
+@pytest.mark.parametrize("world, kv_heads", [(2, 2), (2, 1), (4, 2), (4, 4)])
+def test_attention_and_mlp_match_unsharded(world_runs, world, kv_heads):
+    """kv_heads < world: each KV head replicated over world / kv_heads ranks."""
+    _assert_ok(world_runs, world, "attention_and_mlp", kv_heads)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_vocab_embedding_lm_head_and_argmax(world_runs, world):
+    _assert_ok(world_runs, world, "vocab", 259)
+
+
+def _reference_logits(path: Path) -> torch.Tensor:
+    harness = PagedHarness(path)
+    steps = list(harness.step([(0, tp_checks.MODEL_PROMPT, 0)]))
+    for i, tok in enumerate(tp_checks.MODEL_DECODE):
+        steps += harness.step([(0, [tok], len(tp_checks.MODEL_PROMPT) + i)])
+    return torch.cat(steps)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_model_logits_match_tp1(world_runs, models, world):
+    tmp, _ = world_runs[world]
+    _assert_ok(world_runs, world, "model_logits", str(models[1]), str(tmp), "good")
+    got = torch.load(tmp / "good.pt")
+    ref = _reference_logits(models[1])
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+VARIANTS = ("qwen3", "qwen2", "tied")
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_family_variants_match_tp1_at_world_2(world_runs, models, name):
+    tmp, _ = world_runs[2]
+    _assert_ok(world_runs, 2, "model_logits", str(models[name]), str(tmp), name)
+    got = torch.load(tmp / f"{name}.pt")
+    torch.testing.assert_close(got, _reference_logits(models[name]), atol=1e-5, rtol=0)
+
+
+def test_rank_blind_kv_loader_breaks_the_logits(world_runs, models):
+    """The gate can fail: every rank loading KV shard 0 must change the logits."""
+    tmp, _ = world_runs[2]
+    _assert_ok(world_runs, 2, "model_logits", str(models[2]), str(tmp), "broken", True)
+    got = torch.load(tmp / "broken.pt")
+    assert (got - _reference_logits(models[2])).abs().max() > 1e-3

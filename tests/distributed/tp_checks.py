@@ -1,0 +1,285 @@
+"""What each rank of a spawned tensor-parallel test runs (gloo, CPU, fp32). Every check builds
+the unsharded reference in-process (the single-process group) from the same seed, loads the
+sharded module from the reference's full tensors through the per-parameter loaders, and
+asserts inside the rank; a failure surfaces as the spawn's exception."""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from ingot.distributed import parallel_state
+from ingot.distributed.group import GroupCoordinator
+from ingot.model_executor.layers.attention import AttentionMetadata
+from ingot.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    sharding_weight_loader,
+)
+from ingot.model_executor.layers.rotary import RotaryEmbedding, rope_parameters_of
+from ingot.model_executor.layers.vocab_parallel import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+    distributed_argmax,
+)
+from ingot.model_executor.models.llama import DecoderAttention, DecoderMLP, head_dim_of
+
+ATOL = 1e-5
+
+
+def entry(rank: int, world: int, init_file: str, out_dir: str,
+          plan: list[tuple[str, tuple[Any, ...]]]) -> None:
+    """torch.multiprocessing.spawn target: join the world, run the checks of ``plan`` in order
+    (one process start for all of them: spawning is the slow part) and record each one's
+    outcome in ``out_dir/rank{r}.json``. A failed check ends the rank at once, so the other
+    ranks fail in their next collective instead of waiting on it."""
+    torch.set_num_threads(1)  # several ranks share the test machine's cores
+    group = parallel_state.init_distributed(world, rank, f"file://{init_file}", world,
+                                            torch.device("cpu"), timeout_s=120)
+    results: dict[str, str] = {}
+    path = Path(out_dir) / f"rank{rank}.json"
+    for name, args in plan:
+        key = check_key(name, args)
+        try:
+            globals()[name](group, *args)
+            results[key] = "ok"
+        except BaseException:  # noqa: BLE001 - reported to the test through the file
+            results[key] = traceback.format_exc()
+            path.write_text(json.dumps(results))
+            os._exit(1)
+    path.write_text(json.dumps(results))
+    parallel_state.destroy_distributed()
+
+
+def check_key(name: str, args: tuple[Any, ...]) -> str:
+    return f"{name}{tuple(a for a in args if not isinstance(a, str) or '/' not in a)}"
+
+
+def _build(factory, group: GroupCoordinator | None):  # noqa: ANN001, ANN202
+    """Build a module under ``group`` (None: the single-process reference)."""
+    previous = parallel_state.get_tp_group()
+    parallel_state.set_tp_group(group if group is not None else GroupCoordinator.single())
+    try:
+        return factory()
+    finally:
+        parallel_state.set_tp_group(previous)
+
+
+def _randomise(module: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+
+
+def _load_from(sharded: torch.nn.Module, reference: torch.nn.Module) -> None:
+    full = dict(reference.named_parameters())
+    for name, param in sharded.named_parameters():
+        param.weight_loader(param, full[name].detach())
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(actual, expected, atol=ATOL, rtol=0, msg=lambda m: f"{what}: {m}")
+
+
+def _tiny_config(**kw: Any) -> Any:
+    base = dict(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                rms_norm_eps=1e-6, attention_bias=True, mlp_bias=True)
+    return transformers.LlamaConfig(**{**base, **kw})
+
+
+# ---- collectives ----------------------------------------------------------------------------
+
+
+def collectives(group: GroupCoordinator) -> None:
+    r, w = group.rank_in_group, group.world_size
+    x = torch.full((2, 3), float(r + 1))
+    assert torch.equal(group.all_reduce(x.clone()), torch.full((2, 3), w * (w + 1) / 2))
+    gathered = group.all_gather(torch.tensor([[float(r)]]), dim=1)
+    assert gathered.tolist() == [[float(i) for i in range(w)]]
+    b = torch.tensor([float(r) + 7])
+    assert group.broadcast(b, src=0).item() == 7.0
+    full = torch.arange(w * 2, dtype=torch.float32) * (r + 1)
+    expect = (torch.arange(w * 2, dtype=torch.float32) * w * (w + 1) / 2)[2 * r : 2 * r + 2]
+    assert torch.equal(group.reduce_scatter(full, dim=0), expect)
+    # all_to_all: rank r sends value 10*r + j to rank j.
+    sent = torch.tensor([10.0 * r + j for j in range(w)])
+    assert group.all_to_all(sent).tolist() == [10.0 * i + r for i in range(w)]
+
+
+# ---- sharded modules vs their unsharded reference --------------------------------------------
+
+
+def linears(group: GroupCoordinator) -> None:
+    r, w = group.rank_in_group, group.world_size
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(1))
+    # Column-parallel: this rank's slice of the output; the loaded shards concatenate back.
+    ref = _build(lambda: ColumnParallelLinear(32, 48, bias=True), None)
+    _randomise(ref, 2)
+    col = _build(lambda: ColumnParallelLinear(32, 48, bias=True), group)
+    _load_from(col, ref)
+    per = 48 // w
+    _close(col(x), ref(x)[:, r * per : (r + 1) * per], "column-parallel output")
+    _close(group.all_gather(col.weight.data, dim=0), ref.weight.data, "column shards")
+    # Row-parallel: the all-reduced output on every rank, bias counted once.
+    ref = _build(lambda: RowParallelLinear(32, 24, bias=True), None)
+    _randomise(ref, 3)
+    row = _build(lambda: RowParallelLinear(32, 24, bias=True), group)
+    _load_from(row, ref)
+    _close(row(x[:, r * 32 // w : (r + 1) * 32 // w]), ref(x), "row-parallel output")
+    _close(group.all_gather(row.weight.data, dim=1), ref.weight.data, "row shards")
+    # Deliberately broken: a loader that skips the rank offset must give a different output.
+    bad = _build(lambda: RowParallelLinear(32, 24, bias=True), group)
+    bad.weight.weight_loader = sharding_weight_loader(1, 0, w)
+    _load_from(bad, ref)
+    broken = bad(x[:, r * 32 // w : (r + 1) * 32 // w])
+    assert (broken - ref(x)).abs().max() > 1e-2, "a rank-blind loader went unnoticed"
+    # Gate-up from separate checkpoint tensors: both parts sharded, laid end to end.
+    gate, up = torch.randn(2, 64, 32, generator=torch.Generator().manual_seed(4))
+    merged = _build(lambda: MergedColumnParallelLinear(32, [64, 64]), group)
+    merged.weight.weight_loader(merged.weight, gate, 0)
+    merged.weight.weight_loader(merged.weight, up, 1)
+    per = 64 // w
+    _close(merged.weight.data, torch.cat([gate[r * per : (r + 1) * per],
+                                          up[r * per : (r + 1) * per]]), "gate-up shard")
+
+
+def qkv_loader(group: GroupCoordinator, num_heads: int, num_kv_heads: int) -> None:
+    """QKV shards: q concatenates to the checkpoint's q; k/v too, each replica taken once when
+    TP > num_kv_heads."""
+    w, hd = group.world_size, 8
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(num_heads * hd, 32, generator=gen)
+    k, v = torch.randn(2, num_kv_heads * hd, 32, generator=gen)
+    layer = _build(lambda: QKVParallelLinear(32, hd, num_heads, num_kv_heads), group)
+    for shard_id, t in (("q", q), ("k", k), ("v", v)):
+        layer.weight.weight_loader(layer.weight, t, shard_id)
+    mq, mk, mv = layer.weight.data.split([layer.q_size, layer.kv_size, layer.kv_size])
+    _close(group.all_gather(mq, 0), q, "q shards")
+    replicas = max(1, w // num_kv_heads)
+    for mine, full, what in ((mk, k, "k"), (mv, v, "v")):
+        parts = group.all_gather(mine.unsqueeze(0), 0)  # [world, kv_size, 32]
+        _close(torch.cat(list(parts[::replicas])), full, f"{what} shards")
+
+
+def _attention_step(attn: DecoderAttention, cache: torch.Tensor, hidden: torch.Tensor,
+                    start: int) -> torch.Tensor:
+    """One step of one request over blocks 1, 2, 3 (block size 4) of ``cache``."""
+    n = hidden.shape[0]
+    positions = torch.arange(start, start + n)
+    table = torch.tensor([[1, 2, 3]])
+    slots = table[0, positions // 4] * 4 + positions % 4
+    meta = AttentionMetadata.build(positions, [n], slots, table, is_decode=n == 1)
+    return attn(positions, hidden, cache, meta)
+
+
+def attention_and_mlp(group: GroupCoordinator, num_kv_heads: int) -> None:
+    """QKV -> RoPE -> paged attention -> O (row-parallel) and the MLP, prefill of 6 tokens then
+    2 decode steps, equal to the unsharded layers; the KV cache holds this rank's heads."""
+    config = _tiny_config(num_key_value_heads=num_kv_heads)
+    rotary = RotaryEmbedding(head_dim_of(config), 64, rope_parameters_of(config))
+    ref = _build(lambda: DecoderAttention(config, rotary, False, (True, True)), None)
+    _randomise(ref, 6)
+    tp = _build(lambda: DecoderAttention(config, rotary, False, (True, True)), group)
+    _load_from(tp, ref)
+    hd = head_dim_of(config)
+    assert tp.num_heads == config.num_attention_heads // group.world_size
+    assert tp.num_kv_heads == max(1, num_kv_heads // group.world_size)
+    ref_cache = torch.zeros(2, 4, 4, num_kv_heads, hd)
+    tp_cache = torch.zeros(2, 4, 4, tp.num_kv_heads, hd)
+    gen = torch.Generator().manual_seed(7)
+    with torch.inference_mode():
+        for start, n in ((0, 6), (6, 1), (7, 1)):
+            h = torch.randn(n, 64, generator=gen)
+            _close(_attention_step(tp, tp_cache, h, start),
+                   _attention_step(ref, ref_cache, h, start), f"attention at {start}")
+        mref = _build(lambda: DecoderMLP(config), None)
+        _randomise(mref, 8)
+        mtp = _build(lambda: DecoderMLP(config), group)
+        _load_from(mtp, mref)
+        h = torch.randn(5, 64, generator=gen)
+        _close(mtp(h), mref(h), "MLP")
+
+
+def vocab(group: GroupCoordinator, vocab_size: int) -> None:
+    """Embedding with tokens on every shard (an uneven vocab: the last shard is padded), the LM
+    head's gathered logits, and the greedy argmax over shards without gathering."""
+    r = group.rank_in_group
+    ref_emb = _build(lambda: VocabParallelEmbedding(vocab_size, 16), None)
+    _randomise(ref_emb, 9)
+    emb = _build(lambda: VocabParallelEmbedding(vocab_size, 16), group)
+    _load_from(emb, ref_emb)
+    ids = torch.tensor([0, 1, vocab_size // 2, vocab_size // 2 + 1, vocab_size - 2, vocab_size - 1])
+    starts = group.all_gather(torch.tensor([emb.vocab_start]), 0).tolist()
+    assert len({sum(s <= int(t) for s in starts) for t in ids}) == group.world_size, \
+        "the token ids must land on every shard"
+    with torch.inference_mode():
+        _close(emb(ids), ref_emb(ids), "embedding")
+    ref_head = _build(lambda: ParallelLMHead(16, vocab_size), None)
+    _randomise(ref_head, 10)
+    head = _build(lambda: ParallelLMHead(16, vocab_size), group)
+    _load_from(head, ref_head)
+    h = torch.randn(4, 16, generator=torch.Generator().manual_seed(11))
+    full = ref_head(h)
+    _close(head.gather(head(h)), full, "LM head logits")
+    assert torch.equal(head.greedy(head(h)), full.argmax(-1)), "distributed argmax"
+    # Ties: the lowest token id wins, within a shard and across shards.
+    logits = torch.zeros(4, vocab_size)
+    logits[0, [3, vocab_size - 1]] = 5.0  # across the first and the last shard
+    logits[1, [vocab_size - 3, vocab_size - 2]] = 2.0  # inside the last shard
+    logits[3, vocab_size - 1] = 1.0  # only on the last shard; row 2: all equal -> 0
+    local = logits[:, head.vocab_start : head.vocab_start + head.num_real]
+    got = distributed_argmax(local, head.vocab_start, group)
+    assert got.tolist() == logits.argmax(-1).tolist() == [3, vocab_size - 3, 0, vocab_size - 1], \
+        (r, got.tolist())
+
+
+def model_logits(group: GroupCoordinator, model_dir: str, out_dir: str, tag: str,
+                 broken: bool = False) -> None:
+    """The whole model from its checkpoint (separate q/k/v, gate/up tensors) on this rank's
+    shard: prefill + teacher-forced decode logits (gathered: the same on every rank), saved
+    as ``out_dir/{tag}.pt`` for the parent to compare with TP=1. ``broken``: the KV shard
+    loader ignores the rank (the comparison must catch it)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
+    from paged_harness import PagedHarness
+
+    original = QKVParallelLinear._source_shard
+    if broken:
+        def rank_blind(self: QKVParallelLinear, i: int) -> tuple[int, int]:
+            index, count = original(self, i)
+            return (0, count) if i > 0 else (index, count)
+
+        QKVParallelLinear._source_shard = rank_blind
+    parallel_state.set_tp_group(group)
+    try:
+        harness = PagedHarness(model_dir)
+    finally:
+        QKVParallelLinear._source_shard = original
+        parallel_state.set_tp_group(None)
+    steps = list(harness.step([(0, MODEL_PROMPT, 0)]))
+    for i, tok in enumerate(MODEL_DECODE):
+        steps += harness.step([(0, [tok], len(MODEL_PROMPT) + i)])
+    out = torch.cat(steps)
+    torch.testing.assert_close(out, group.broadcast(out.clone(), 0), atol=0, rtol=0)
+    hidden = torch.randn(3, harness.hf_config.hidden_size,
+                         generator=torch.Generator().manual_seed(12))
+    with torch.inference_mode():
+        full = harness.model.compute_logits(hidden)
+        assert torch.equal(harness.model.greedy_token_ids(hidden), full.argmax(-1))
+    if group.rank_in_group == 0:
+        torch.save(out, os.path.join(out_dir, f"{tag}.pt"))
+
+
+MODEL_PROMPT = [3, 17, 92, 45, 200, 11, 8, 250, 77, 5, 133]
+MODEL_DECODE = [5, 9, 200, 31]

@@ -1,0 +1,50 @@
+"""The sharded modules under the single-process simulated group (ranks as threads): the same
+checks as the spawned gloo tests (tests/distributed/tp_checks.py), in a fraction of the time,
+at world sizes 2 and 4; and the simulated group itself fails loudly rather than hanging."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ingot.distributed.simulated import run_simulated
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))
+import tp_checks  # noqa: E402
+
+CHECKS = [
+    (2, "collectives", ()), (4, "collectives", ()),
+    (2, "linears", ()), (4, "linears", ()),
+    (2, "qkv_loader", (4, 1)), (4, "qkv_loader", (8, 2)),
+    (2, "attention_and_mlp", (1,)), (4, "attention_and_mlp", (2,)),
+    (2, "vocab", (259,)), (4, "vocab", (259,)),
+]
+
+
+@pytest.mark.parametrize("world, check, args", CHECKS,
+                         ids=[f"{c}-w{w}-{a}" for w, c, a in CHECKS])
+def test_sharded_modules_under_the_simulated_group(world, check, args):
+    torch.set_num_threads(1)
+    run_simulated(world, getattr(tp_checks, check), *args)
+
+
+def test_a_failing_rank_releases_the_others():
+    def fn(group):  # noqa: ANN001, ANN202
+        if group.rank_in_group == 1:
+            raise RuntimeError("rank 1 broke")
+        group.all_reduce(torch.ones(2))  # would wait for rank 1 forever
+
+    with pytest.raises(RuntimeError, match="rank 1 broke"):
+        run_simulated(2, fn, timeout_s=20)
+
+
+def test_simulated_sum_is_identical_on_every_rank():
+    def fn(group):  # noqa: ANN001, ANN202
+        x = torch.randn(64, generator=torch.Generator().manual_seed(group.rank_in_group))
+        return group.all_reduce(x)
+
+    a, b, c = run_simulated(3, fn)
+    assert torch.equal(a, b) and torch.equal(b, c)
