@@ -77,6 +77,7 @@ def gate(monkeypatch):
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
+    # The default: synchronous scheduling (the main check is repeated with async).
     return LLM(str(tiny_llama_dir), dtype="float32", max_model_len=256, block_size=4)
 
 
@@ -152,8 +153,14 @@ def _advance_while_compiling(engine: LLMEngine, gate: threading.Event, title: st
     return advanced, out, seen_waiting
 
 
-def test_running_request_decodes_while_a_grammar_compiles(llm, gate):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync-sched", "async"])
+def test_running_request_decodes_while_a_grammar_compiles(llm, tiny_llama_dir, gate,
+                                                          async_scheduling):
+    if async_scheduling:
+        llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=256, block_size=4,
+                  async_scheduling=True)
     engine = llm.llm_engine
+    assert (engine.engine_core.max_in_flight > 1) is async_scheduling
     advanced, out, seen_waiting = _advance_while_compiling(engine, gate, "pool", 30)
     assert advanced >= 5 and seen_waiting
     assert out.error is None and out.outputs[0].finish_reason == "stop"
