@@ -58,11 +58,11 @@ class Inline:
         pass
 
 
-def measure(llm: LLM, tag: int, sync: bool, cold: bool) -> tuple[float, int, float, float]:
+def measure(llm: LLM, tag: int, sync: bool, cold: bool) -> tuple[float, int, float, float, float]:
     """The running request's longest gap between tokens from the add until the constrained
     request's prefill step starts (that step itself, a prefill that holds decodes back in
-    either mode, is left out), its tokens and median step time in that window, and the
-    window's length (ms, ms, count, ms)."""
+    either mode, is left out), its tokens and median step time in that window, the window's
+    length, and its median step time before the add (ms, count, ms, ms, ms)."""
     engine = llm.llm_engine
     manager = engine.engine_core.structured_output
     pool = manager._pool
@@ -72,8 +72,12 @@ def measure(llm: LLM, tag: int, sync: bool, cold: bool) -> tuple[float, int, flo
         manager._compiler = None  # the next compile rebuilds xgrammar's tokenizer info
     free = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     engine.add_request("free", {"prompt_token_ids": list(range(100, 164))}, free)
-    for _ in range(6):  # prefill and the first decodes
+    engine.step()  # its prefill
+    before: list[float] = []
+    for _ in range(6):  # decodes before the add: the baseline step time
+        t0 = time.perf_counter()
         engine.step()
+        before.append(time.perf_counter() - t0)
     last = time.perf_counter()
     start = last
     params = SamplingParams(temperature=0.0, max_tokens=4, structured_outputs=StructuredOutputsParams(
@@ -99,7 +103,7 @@ def measure(llm: LLM, tag: int, sync: bool, cold: bool) -> tuple[float, int, flo
     engine.step()
     manager._pool = pool
     median = statistics.median(steps) * 1000 if steps else float("nan")
-    return max(gaps) * 1000, len(steps), median, window * 1000
+    return max(gaps) * 1000, len(steps), median, window * 1000, statistics.median(before) * 1000
 
 
 def main() -> None:
@@ -112,7 +116,7 @@ def main() -> None:
     tag = 0
     for cold in (False, True):
         case = "cold" if cold else "warm"
-        results: dict[bool, list[tuple[float, int, float, float]]] = {False: [], True: []}
+        results: dict[bool, list[tuple[float, int, float, float, float]]] = {False: [], True: []}
         for rnd in range(ns.rounds):
             for sync in (False, True):
                 tag += 1
@@ -120,13 +124,15 @@ def main() -> None:
                 results[sync].append(row)
                 print(f"RESULT case={case} round={rnd} mode={'sync' if sync else 'pool'} "
                       f"longest_gap_ms={row[0]:.1f} tokens_while_compiling={row[1]} "
-                      f"median_step_ms={row[2]:.1f} window_ms={row[3]:.0f}", flush=True)
+                      f"median_step_ms={row[2]:.1f} window_ms={row[3]:.0f} "
+                      f"step_ms_before={row[4]:.1f}", flush=True)
         for sync in (False, True):
             rows = results[sync]
             print(f"MEDIAN case={case} mode={'sync' if sync else 'pool'} "
                   f"longest_gap_ms={statistics.median(r[0] for r in rows):.1f} "
                   f"tokens_while_compiling={statistics.median(r[1] for r in rows):g} "
-                  f"window_ms={statistics.median(r[3] for r in rows):.0f}")
+                  f"window_ms={statistics.median(r[3] for r in rows):.0f} "
+                  f"step_ms_before={statistics.median(r[4] for r in rows):.1f}")
 
 if __name__ == "__main__":
     main()
