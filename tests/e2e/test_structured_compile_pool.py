@@ -300,7 +300,7 @@ def test_server_precheck_waits_off_the_engine_thread(tiny_llama_dir, gate):
         return during, timed_out, bad
 
     try:
-        during, (status, body), (bad_status, bad_body) = asyncio.run(main())
+        during, (status, body), (bad_status, bad_body) = asyncio.run(asyncio.wait_for(main(), 90))
     finally:
         gate.set()
         llm.shutdown()
