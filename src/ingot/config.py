@@ -225,6 +225,97 @@ class StructuredOutputsConfig:
         return config
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3")
+# Built so far; the others are refused at start-up with a line that says so.
+SPECULATIVE_METHODS_BUILT = ("ngram",)
+#: Drafts per step are capped: a verification step runs 1 + k rows per request.
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass
+class SpeculativeConfig:
+    """--speculative-config JSON (vLLM's field names); the mechanism is in spec_decode/."""
+
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    draft_tensor_parallel_size: int | None = None
+    #: vLLM's knob: no speculation in a step with more running requests than this (None: no
+    #: fixed cap; the adaptive rule below still applies).
+    disable_by_batch_size: int | None = None
+    #: Stop speculating (per step) when measured verification steps yield fewer tokens per
+    #: second than plain decode steps of the same batch bucket (core/spec_policy.py).
+    adaptive: bool = True
+
+    @classmethod
+    def from_dict(cls, value: dict[str, Any]) -> SpeculativeConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown speculative_config key(s): {', '.join(unknown)}; known: "
+                f"{', '.join(sorted(known))}"
+            )
+        method = value.get("method")
+        if method is None and value.get("model") is None:
+            raise ValueError(
+                "speculative_config needs a method: one of " + ", ".join(SPECULATIVE_METHODS)
+                + ' (e.g. {"method": "ngram", "num_speculative_tokens": 3})'
+            )
+        if method is None:
+            method = "draft_model"
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative method {method!r} is not supported; use one of "
+                f"{', '.join(SPECULATIVE_METHODS)}"
+            )
+        if method not in SPECULATIVE_METHODS_BUILT:
+            raise ValueError(
+                f"speculative method {method!r} is not available in this ingot yet; use "
+                f"{', '.join(SPECULATIVE_METHODS_BUILT)}"
+            )
+        k = value.get("num_speculative_tokens")
+        if k is None:
+            raise ValueError("speculative_config needs num_speculative_tokens (e.g. 3)")
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be an integer from 1 to {MAX_SPECULATIVE_TOKENS}, "
+                f"got {k!r}"
+            )
+        config = cls(**{**value, "method": method})
+        if method == "ngram":
+            # vLLM's defaults: both unset -> 5 and 5; one set -> the other equals it.
+            lo, hi = config.prompt_lookup_min, config.prompt_lookup_max
+            if lo is None and hi is None:
+                lo = hi = 5
+            lo = hi if lo is None else lo
+            hi = lo if hi is None else hi
+            for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                    raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+            if lo > hi:
+                raise ValueError(
+                    f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})"
+                )
+            config.prompt_lookup_min, config.prompt_lookup_max = lo, hi
+            if config.model is not None:
+                raise ValueError("speculative method ngram takes no model; drop \"model\"")
+        tp = config.draft_tensor_parallel_size
+        if tp is not None and tp != 1:
+            raise ValueError(
+                f"draft_tensor_parallel_size {tp!r} is not supported; the draft runs with the "
+                "target on one rank: use 1 (or leave it out)"
+            )
+        cap = config.disable_by_batch_size
+        if cap is not None:
+            _positive("disable_by_batch_size", cap)
+        if not isinstance(config.adaptive, bool):
+            raise ValueError(f"speculative_config adaptive must be true or false, got {config.adaptive!r}")
+        return config
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig
@@ -237,6 +328,8 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     cpu_threads: CpuThreadsConfig = field(default_factory=CpuThreadsConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    #: Speculative decoding (None: off).
+    speculative_config: SpeculativeConfig | None = None
 
 
 def resolve_model_path(model: str | None, default_embedder: bool = False) -> tuple[str, str]:
@@ -346,6 +439,8 @@ class EngineArgs:
     enable_prompt_embeds: bool = False
     # vLLM's --structured-outputs-config (JSON): {"backend": "xgrammar", ...}.
     structured_outputs_config: dict[str, Any] | str | None = None
+    # vLLM's --speculative-config (JSON): {"method": "ngram", "num_speculative_tokens": 3, ...}.
+    speculative_config: dict[str, Any] | str | None = None
 
     @staticmethod
     def _json_arg(name: str, value: dict[str, Any] | str | None) -> dict[str, Any]:
@@ -461,7 +556,9 @@ class EngineArgs:
         )
         if self.enable_prompt_embeds and runner == "pooling":
             raise ValueError("enable_prompt_embeds is for generation; drop it with --runner pooling")
-        compilation = self._compilation_config(platform.name, buckets, runner, encoder_only)
+        speculative = self._speculative_config(runner)
+        compilation = self._compilation_config(platform.name, buckets, runner, encoder_only,
+                                               speculative is not None)
         prefills = self._max_prefills(additional_config, compilation)
         backend = self.distributed_executor_backend or "uni"
         if backend not in EXECUTOR_BACKENDS:
@@ -514,7 +611,7 @@ class EngineArgs:
                 max_model_len=max_model_len,
                 enable_chunked_prefill=chunked,
                 max_num_prefills_per_step=prefills,
-                async_scheduling=self._async_scheduling(runner),
+                async_scheduling=self._async_scheduling(runner, speculative),
             ),
             parallel_config=ParallelConfig(distributed_executor_backend=backend),
             device=platform.name,
@@ -523,14 +620,38 @@ class EngineArgs:
             compilation=compilation,
             cpu_threads=cpu_threads,
             structured_outputs=structured_outputs,
+            speculative_config=speculative,
         )
 
-    def _async_scheduling(self, runner: str) -> bool:
+    def _speculative_config(self, runner: str) -> SpeculativeConfig | None:
+        value = self._json_arg("speculative_config", self.speculative_config)
+        if not value:
+            return None
+        config = SpeculativeConfig.from_dict(value)
+        if runner == "pooling":
+            raise ValueError(
+                "speculative_config is for generation; a pooling model never decodes: drop it "
+                "with --runner pooling"
+            )
+        return config
+
+    def _async_scheduling(self, runner: str, speculative: SpeculativeConfig | None = None) -> bool:
         """A pooling runner schedules synchronously: its requests end with their prompt, and
-        the step after their last segment must not see them (integration-b §4)."""
+        the step after their last segment must not see them (integration-b §4). Speculation
+        does too: the next step's drafts come from this step's accepted tokens."""
         if runner == "pooling":
             if self.async_scheduling:
                 raise ValueError("async_scheduling is not supported with --runner pooling; drop it")
+            return False
+        if speculative is not None:
+            if self.async_scheduling:
+                raise ValueError(
+                    "async_scheduling cannot be combined with speculative_config (the drafts "
+                    "of a step come from the previous step's accepted tokens); drop "
+                    "--async-scheduling or the speculative config"
+                )
+            if self.async_scheduling is None and DEFAULT_ASYNC_SCHEDULING:
+                logger.info("speculative decoding: async scheduling turned off")
             return False
         if self.async_scheduling is None:
             return DEFAULT_ASYNC_SCHEDULING
@@ -553,7 +674,7 @@ class EngineArgs:
 
     def _compilation_config(
         self, platform_name: str, buckets: BucketGrid, runner: str = "generate",
-        encoder_only: bool = False,
+        encoder_only: bool = False, speculative: bool = False,
     ) -> CompilationConfig:
         if self.compile is not None and not isinstance(self.compile, bool):
             raise ValueError(f"compile must be true, false or None, got {self.compile!r}")
@@ -569,7 +690,12 @@ class EngineArgs:
                 "compile=True is not supported with enable_prompt_embeds yet (the embeds run "
                 "eagerly); drop one"
             )
-        eager_only = encoder_only or bool(self.enable_prompt_embeds)
+        if speculative and self.compile:
+            raise ValueError(
+                "compile=True is not supported with speculative_config yet (verification steps "
+                "run eagerly); drop --compile"
+            )
+        eager_only = encoder_only or bool(self.enable_prompt_embeds) or speculative
         enabled = not self.enforce_eager and not eager_only and (
             self.compile if self.compile is not None else platform_name == "cuda"
         )

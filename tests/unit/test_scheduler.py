@@ -34,7 +34,7 @@ def step(sched: Scheduler):
     appends it and stops requests at max_tokens)."""
     out = sched.schedule()
     sampled = [item.req_id for item in out.scheduled if item.sample]
-    sched.update_from_output(out, ModelRunnerOutput(sampled, [7] * len(sampled)))
+    sched.update_from_output(out, ModelRunnerOutput(sampled, [[7]] * len(sampled)))
     return out
 
 
@@ -192,7 +192,7 @@ def test_update_from_output_stops_at_eos_after_min_tokens_and_frees_blocks():
     free = sched.kv.pool.num_free_blocks
     outs = []
     for _ in range(2):
-        outs.append(sched.update_from_output(sched.schedule(), ModelRunnerOutput(["a"], [7])))
+        outs.append(sched.update_from_output(sched.schedule(), ModelRunnerOutput(["a"], [[7]])))
     # The first 7 comes before min_tokens is reached, so only the second one stops it.
     assert [o[0].new_token_ids for o in outs] == [[7], [7]]
     assert [o[0].finish_status for o in outs] == [None, RequestStatus.FINISHED_STOPPED]
@@ -232,7 +232,7 @@ def _run_async(num_requests: int = 500, seed: int = 1) -> None:
             ids = [it.req_id for it in done.scheduled if it.sample]
             for rid in ids:
                 sampled_steps[rid] = sampled_steps.get(rid, 0) + 1
-            tokens = [9 if rng.random() < 0.1 else 7 for _ in ids]
+            tokens = [[9 if rng.random() < 0.1 else 7] for _ in ids]
             sched.update_from_output(done, ModelRunnerOutput(ids, tokens))
         steps += 1
         assert steps < 50000, "requests did not finish"

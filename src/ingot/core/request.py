@@ -62,6 +62,8 @@ class Request:
         self.num_output_placeholders = 0
         # KV blocks the runner has been told about (0 until the first scheduled step).
         self.num_blocks_sent = 0
+        # Speculative decoding: drafts proposed for the next step (verified, not yet tokens).
+        self.spec_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
         self.stop_reason: int | None = None  # the stop token id that ended it
         self.arrival_time = arrival_time or time.time()

@@ -2,7 +2,9 @@
 
 The step contract: a step is either a prefill step (one or more requests' prompt segments
 packed end to end, padded to one ``num_batched_tokens_buckets`` entry) or a decode step (one
-token per running request, the batch padded to a ``num_seqs_buckets`` entry). The kind and the
+row per token, the rows padded to a ``num_seqs_buckets`` entry). A decode step usually has one
+token per running request; under speculative decoding it may verify drafts: a request then
+has ``1 + len(draft_token_ids)`` rows, one per position, laid end to end. The kind and the
 padded size are decided once, here; the runner and the attention backend read them from the
 step, never re-derive them from the tokens.
 
@@ -44,6 +46,8 @@ class ScheduledRequest:
     # This step reaches the end of the request's tokens: sample the next one (a pooling
     # request: its prompt is complete, its pooled output is due).
     sample: bool
+    # A verification step: the drafts this step checks (num_tokens = 1 + len(drafts)).
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -69,6 +73,8 @@ class SchedulerOutput:
     ctx_bucket: int | None = None
     # Grammar masks for the requests that sample this step under a constraint (None: none do).
     grammar_bitmask: GrammarBitmask | None = None
+    # Speculative decoding: the runner proposes drafts after sampling, for the next step.
+    propose_drafts: bool = False
 
     @property
     def total_num_scheduled_tokens(self) -> int:

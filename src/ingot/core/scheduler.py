@@ -26,12 +26,13 @@ import enum
 import time
 from collections import deque
 
-from ingot.config import SchedulerConfig
+from ingot.config import SchedulerConfig, SpeculativeConfig
 from ingot.core.buckets import BucketGrid
 from ingot.core.kv_cache_manager import KVCacheManager, cdiv
 from ingot.core.outputs import EngineCoreOutput
 from ingot.core.request import Request, RequestStatus
 from ingot.core.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
+from ingot.core.spec_policy import SpecDecodingStats, SpecPolicy
 from ingot.metrics.stats import BucketStats
 from ingot.structured_output.manager import StructuredOutputManager, TokenVerdict
 from ingot.worker.outputs import ModelRunnerOutput
@@ -56,8 +57,20 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         grid: BucketGrid,
         structured_output: StructuredOutputManager | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.config = config
+        # Speculative decoding: drafts the runner proposed are verified in decode steps the
+        # policy allows; the counters say how many were accepted.
+        self.speculative = speculative
+        self.spec_policy = (
+            SpecPolicy(speculative.adaptive, speculative.disable_by_batch_size)
+            if speculative is not None else None
+        )
+        self.spec_stats = (
+            SpecDecodingStats(speculative.num_speculative_tokens)
+            if speculative is not None else None
+        )
         # Grammar state of constrained requests: masks for each step, advanced with the tokens.
         self.structured_output = structured_output
         self.kv = kv_cache_manager
@@ -183,8 +196,21 @@ class Scheduler:
             return False
         return request.num_tokens + pending < self.config.max_model_len
 
+    def _drafts(self, request: Request) -> list[int]:
+        """The request's drafts that may run this step: the drafts and the token after them
+        must stay within max_tokens and max_model_len (near either, fewer or none)."""
+        drafts = request.spec_token_ids
+        if not drafts or request.use_structured_output:
+            return []
+        room = self.config.max_model_len - request.num_tokens - 1
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - len(request.output_token_ids) - 1)
+        return drafts[: max(room, 0)]
+
     def _schedule(
-        self, request: Request, n: int, new_requests: list[NewRequestData]
+        self, request: Request, n: int, new_requests: list[NewRequestData],
+        drafts: list[int] | None = None,
     ) -> ScheduledRequest:
         start = request.num_computed_tokens
         blocks = self.kv.allocate_slots(request.request_id, start + n)  # actual tokens only
@@ -196,11 +222,12 @@ class Scheduler:
             )
         new_block_ids = list(blocks[request.num_blocks_sent :])
         request.num_blocks_sent = len(blocks)
-        request.num_computed_tokens = start + n
-        sample = start + n == request.num_tokens + request.num_output_placeholders
+        request.num_computed_tokens = start + n  # rejected drafts are taken back later
+        drafts = drafts or []
+        sample = start + n - len(drafts) == request.num_tokens + request.num_output_placeholders
         if sample:
             request.num_output_placeholders += 1
-        return ScheduledRequest(request.request_id, n, start, new_block_ids, sample)
+        return ScheduledRequest(request.request_id, n, start, new_block_ids, sample, drafts)
 
     def schedule(self) -> SchedulerOutput:
         so = self._schedule_step()
@@ -233,22 +260,57 @@ class Scheduler:
             if grid.enabled:
                 self.bucket_stats.record_prefill(padded, total)
             self.state = SchedulerState.ACTIVE_PREFILL
-            return SchedulerOutput(scheduled, new_requests, finished, True, padded)
+            # Drafts for a request's first decode step, proposed from its prompt.
+            return SchedulerOutput(scheduled, new_requests, finished, True, padded,
+                                   propose_drafts=self.spec_policy is not None)
         decodable = [r for r in self.running if self._can_sample(r)]
         if decodable:
-            scheduled = [self._schedule(r, 1, new_requests) for r in decodable]
-            padded = grid.decode_bucket(len(scheduled))
+            drafts = self._step_drafts(decodable)
+            scheduled = [self._schedule(r, 1 + len(d), new_requests, d)
+                         for r, d in zip(decodable, drafts, strict=True)]
+            rows = sum(s.num_tokens for s in scheduled)
+            padded = grid.decode_bucket(rows)
             ctx = None
             if grid.enabled:
-                # Smallest context bucket covering the longest request after this token.
-                ctx = grid.decode_ctx_bucket(max(s.start_position for s in scheduled) + 1)
+                # Smallest context bucket covering the longest request after this step.
+                ctx = grid.decode_ctx_bucket(max(s.start_position + s.num_tokens
+                                                 for s in scheduled))
                 self.bucket_stats.record_decode(
-                    padded, len(scheduled), ctx if grid.decode_context_length_buckets else None
+                    padded, rows, ctx if grid.decode_context_length_buckets else None
                 )
             self.state = SchedulerState.ACTIVE_DECODE
-            return SchedulerOutput(scheduled, new_requests, finished, False, padded, ctx)
+            so = SchedulerOutput(scheduled, new_requests, finished, False, padded, ctx)
+            if self.spec_policy is not None:
+                so.propose_drafts = self.spec_policy.wants_drafts(
+                    len(decodable), grid.decode_bucket(len(decodable)))
+            return so
         self.state = SchedulerState.ACTIVE_DECODE if self.running else SchedulerState.IDLE
         return SchedulerOutput([], new_requests, finished)
+
+    def _step_drafts(self, decodable: list[Request]) -> list[list[int]]:
+        """Each request's drafts for this decode step: none unless speculation is on, the
+        policy allows it for this batch and the rows fit the largest decode bucket."""
+        none: list[list[int]] = [[] for _ in decodable]
+        if self.spec_policy is None:
+            return none
+        # Asked every decode step (it counts them, so its probes come round).
+        if not self.spec_policy.speculate(len(decodable), self.grid.decode_bucket(len(decodable))):
+            return none
+        drafts = [self._drafts(r) for r in decodable]
+        rows = len(decodable) + sum(len(d) for d in drafts)
+        if self.grid.enabled and rows > self.grid.num_seqs_buckets[-1]:
+            # One row per token, within the largest decode bucket: fewer drafts each.
+            each = (self.grid.num_seqs_buckets[-1] - len(decodable)) // len(decodable)
+            drafts = [d[:each] for d in drafts]
+        return drafts
+
+    def record_step_time(self, so: SchedulerOutput, seconds: float, num_tokens: int) -> None:
+        """The engine timed a decode step: the speculation policy learns its rate."""
+        if self.spec_policy is None or so.is_prefill or not so.scheduled:
+            return
+        verified = any(s.draft_token_ids for s in so.scheduled)
+        self.spec_policy.observe(self.grid.decode_bucket(len(so.scheduled)), verified,
+                                 num_tokens, seconds)
 
     # ---- results -----------------------------------------------------------------------
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
@@ -273,15 +335,26 @@ class Scheduler:
         request that ran this step and is still known to the core (a request aborted, or
         stopped by an earlier step, while this one ran is skipped: its token is dropped)."""
         results: dict[str, EngineCoreOutput] = {}
+        new_tokens = dict(zip(output.req_ids, output.sampled_token_ids, strict=True))
         for item in so.scheduled:
             request = self.requests.get(item.req_id)
             if request is None:
                 continue
+            computed = item.start_position + item.num_tokens
+            token_ids = request.all_token_ids
+            if item.draft_token_ids:
+                # Rejected drafts: their positions are computed again (their K/V is stale).
+                accepted = len(new_tokens[item.req_id]) - 1
+                rejected = len(item.draft_token_ids) - accepted
+                request.num_computed_tokens -= rejected
+                computed -= rejected
+                token_ids = token_ids + item.draft_token_ids[:accepted]
+                if self.spec_stats is not None:
+                    self.spec_stats.observe(len(item.draft_token_ids), accepted)
             # Published only now that the step has run: a block is shared only once its
             # K/V is written (a later step may already be scheduled past it).
-            computed = item.start_position + item.num_tokens
             if self.kv.has_uncached_full_blocks(request.request_id, computed):
-                self.kv.cache_full_blocks(request.request_id, request.all_token_ids, computed)
+                self.kv.cache_full_blocks(request.request_id, token_ids, computed)
             out = EngineCoreOutput(
                 item.req_id, num_cached_tokens=request.num_cached_tokens,
                 first_scheduled_time=request.first_scheduled_time,
@@ -293,26 +366,32 @@ class Scheduler:
                 out.pooled = output.pooler_output.get(item.req_id)
                 out.finish_status = RequestStatus.FINISHED_STOPPED
                 self.finish_request(item.req_id, RequestStatus.FINISHED_STOPPED)
-        for req_id, token in zip(output.req_ids, output.sampled_token_ids, strict=True):
+        for req_id, tokens in new_tokens.items():
             request = self.requests.get(req_id)
             out = results.get(req_id)
             if request is None or out is None:
                 continue
             request.num_output_placeholders -= 1
-            request.output_token_ids.append(token)
-            out.new_token_ids.append(token)
-            lp = output.logprobs.get(req_id)
-            if lp is not None:
-                out.new_logprobs.append(lp)
-            status = self._check_stop(request, token)
-            if request.use_structured_output and self.structured_output is not None:
-                verdict = self.structured_output.accept_token(req_id, token)
-                if verdict is TokenVerdict.REJECTED:
-                    status = RequestStatus.FINISHED_ABORTED
-                elif verdict is TokenVerdict.TERMINATED:  # complete, even on the last token
-                    status = RequestStatus.FINISHED_STOPPED
+            logprobs = output.logprobs.get(req_id)
+            status = None
+            for i, token in enumerate(tokens):  # a stop drops the tokens after it
+                request.output_token_ids.append(token)
+                out.new_token_ids.append(token)
+                if logprobs is not None:
+                    out.new_logprobs.append(logprobs[i])
+                status = self._check_stop(request, token)
+                if request.use_structured_output and self.structured_output is not None:
+                    verdict = self.structured_output.accept_token(req_id, token)
+                    if verdict is TokenVerdict.REJECTED:
+                        status = RequestStatus.FINISHED_ABORTED
+                    elif verdict is TokenVerdict.TERMINATED:  # complete, even on the last token
+                        status = RequestStatus.FINISHED_STOPPED
+                if status is not None:
+                    break
             if status is not None:
                 out.finish_status = status
                 out.stop_reason = request.stop_reason
                 self.finish_request(req_id, status)
+            elif self.speculative is not None:
+                request.spec_token_ids = output.draft_token_ids.get(req_id, [])
         return list(results.values())

@@ -12,6 +12,7 @@ its next step is in flight has that step's token dropped."""
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -23,12 +24,16 @@ from ingot.core.outputs import EngineCoreOutput
 from ingot.core.request import Request, RequestStatus
 from ingot.core.sched_output import SchedulerOutput
 from ingot.core.scheduler import Scheduler
+from ingot.core.spec_policy import SpecDecodingStats
 from ingot.engine.sampling_params import SamplingParams
 from ingot.structured_output.manager import StructuredOutputManager
 from ingot.worker.executor import Executor, RpcMethod
 from ingot.worker.outputs import ModelRunnerOutput
 
 logger = logging.getLogger("ingot")
+
+#: Seconds between speculative decoding's acceptance lines in the log (vLLM logs as often).
+SPEC_LOG_INTERVAL_S = 10.0
 
 
 class EngineCore:
@@ -52,7 +57,8 @@ class EngineCore:
             tokenizer, config.model_config.vocab_size, config.structured_outputs
         )
         self.scheduler = Scheduler(
-            config.scheduler_config, self.kv_cache_manager, config.buckets, self.structured_output
+            config.scheduler_config, self.kv_cache_manager, config.buckets, self.structured_output,
+            config.speculative_config,
         )
         logger.info(
             "bucket grid: %s; at most %d requests at once (KV bound); up to %d prompts per "
@@ -66,6 +72,8 @@ class EngineCore:
         # Async scheduling: steps submitted whose results are not applied yet, oldest first.
         self.max_in_flight = 2 if config.scheduler_config.async_scheduling else 1
         self.batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
+        # When the last speculative-decoding line was logged, and the counters then.
+        self._spec_logged: tuple[float, SpecDecodingStats | None] = (time.monotonic(), None)
         # The workers' runtime counters, as the latest step output brought them.
         self._runtime_stats: dict[str, Any] = self.collective_rpc("runtime_stats")[0]
 
@@ -114,7 +122,13 @@ class EngineCore:
         if so.is_empty and not so.finished_req_ids:
             return []
         # (An empty step still tells the workers which requests to forget.)
-        return self._apply(so, self.executor.execute_model(so))
+        start = time.perf_counter()
+        output = self.executor.execute_model(so)
+        # The speculation policy compares decode steps' token rates (synchronous steps only:
+        # speculation turns async scheduling off).
+        self.scheduler.record_step_time(so, time.perf_counter() - start,
+                                        sum(len(t) for t in output.sampled_token_ids))
+        return self._apply(so, output)
 
     def _fail_uncompiled(self) -> list[EngineCoreOutput]:
         """Finish the requests whose constraint failed to compile or timed out, each with its
@@ -147,7 +161,20 @@ class EngineCore:
         if so.is_empty:
             return []
         self.num_steps += 1
-        return self.scheduler.update_from_output(so, output)
+        outputs = self.scheduler.update_from_output(so, output)
+        self._log_spec_decoding()
+        return outputs
+
+    def _log_spec_decoding(self) -> None:
+        """Every SPEC_LOG_INTERVAL_S while speculating: acceptance since the last line."""
+        stats = self.scheduler.spec_stats
+        now = time.monotonic()
+        if stats is None or now - self._spec_logged[0] < SPEC_LOG_INTERVAL_S:
+            return
+        line = stats.log_line(self._spec_logged[1])
+        if line is not None:
+            logger.info(line)
+        self._spec_logged = (now, stats.copy())
 
     # ---- workers, stats ------------------------------------------------------------------
     def collective_rpc(
@@ -197,6 +224,7 @@ class EngineCore:
             "async_steps": runtime["async_steps"],
             "sync_fallback_steps": runtime["sync_fallback_steps"],
             "num_runner_requests": runtime["num_runner_requests"],
+            "spec_decode": scheduler.spec_stats,
         }
 
     def shutdown(self) -> None:

@@ -60,6 +60,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--structured-outputs-config", default=None,
                    help='JSON object, e.g. \'{"backend": "xgrammar", "compile_timeout_s": 10}\' '
                    "(docs/configuration.md)")
+    g.add_argument("--speculative-config", default=None,
+                   help='JSON object, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' '
+                   "(docs/configuration.md)")
     g.add_argument("--distributed-executor-backend", choices=["uni", "mp"], default=None,
                    help="uni: the worker runs in the engine's process (default for one "
                    "worker); mp: in a child process")

@@ -131,6 +131,23 @@ class EngineMetrics:
             metric_name("prefix_cache_hit_rate", prefix), "Prefix cache hits / queries (tokens)", m, registry=r
         )
         self._prefix_seen = (0, 0)
+        # Speculative decoding, vLLM's names (a draft = one request's drafts in one step).
+        self.spec_drafts = Counter(
+            metric_name("spec_decode_num_drafts", prefix), "Requests verified with drafts", m,
+            registry=r,
+        )
+        self.spec_draft_tokens = Counter(
+            metric_name("spec_decode_num_draft_tokens", prefix), "Draft tokens verified", m,
+            registry=r,
+        )
+        self.spec_accepted_tokens = Counter(
+            metric_name("spec_decode_num_accepted_tokens", prefix), "Draft tokens accepted", m,
+            registry=r,
+        )
+        self.spec_accepted_per_pos = Counter(
+            metric_name("spec_decode_num_accepted_tokens_per_pos", prefix),
+            "Draft tokens accepted, by position in the draft", [*m, "position"], registry=r,
+        )
         # Real Inductor compiles (start-up warmup included): must not move while serving.
         self.compilations = Counter(
             metric_name("compilations", prefix), "Graphs compiled (compile cache misses)", m, registry=r
@@ -157,7 +174,8 @@ class EngineMetrics:
             self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue_time, self.startup,
             self.model_load, self.model_bytes, self.compilation, self.prefix_queries,
             self.prefix_hits, self.prefix_hit_rate, self.compilations, self.compile_cache_hits,
-            self.async_steps, self.sync_fallback_steps,
+            self.async_steps, self.sync_fallback_steps, self.spec_drafts, self.spec_draft_tokens,
+            self.spec_accepted_tokens,
         ):
             self.labels(metric)
         for reason in FINISH_REASONS:
@@ -223,6 +241,19 @@ class EngineMetrics:
         compile_stats = stats.get("compilation", {})
         self._count_total(self.compilations, "compilations", compile_stats.get("compilations", 0))
         self._count_total(self.compile_cache_hits, "cache_hits", compile_stats.get("cache_hits", 0))
+        spec = stats.get("spec_decode")
+        if spec is not None:
+            self._count_total(self.spec_drafts, "spec_drafts", spec.num_drafts)
+            self._count_total(self.spec_draft_tokens, "spec_draft_tokens", spec.num_draft_tokens)
+            self._count_total(self.spec_accepted_tokens, "spec_accepted", spec.num_accepted_tokens)
+            for pos, total in enumerate(spec.num_accepted_tokens_per_pos):
+                key = f"spec_accepted_{pos}"
+                child = self.spec_accepted_per_pos.labels(model_name=self.model_name,
+                                                          position=str(pos))
+                seen = self._totals_seen.get(key, 0)
+                if total > seen:
+                    child.inc(total - seen)
+                    self._totals_seen[key] = total
         self._count_total(self.async_steps, "async_steps", stats.get("async_steps", 0))
         self._count_total(self.sync_fallback_steps, "sync_fallback_steps",
                           stats.get("sync_fallback_steps", 0))

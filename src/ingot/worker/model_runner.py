@@ -28,13 +28,16 @@ from ingot.core.kv_cache_manager import NULL_BLOCK_ID, cdiv
 from ingot.core.sched_output import SchedulerOutput
 from ingot.engine.sampling_params import SamplingParams
 from ingot.model_executor.layers.attention import AttentionMetadata
+from ingot.model_executor.layers.linear import kernel_rows
 from ingot.model_executor.layers.pooler import Pooler, PoolingSegment
+from ingot.model_executor.layers.rejection_sampler import RejectionSampler, SpecDecodeMetadata
 from ingot.model_executor.layers.sampler import (
     LogprobsTensors,
     Sampler,
     SamplingMetadata,
     compute_prompt_logprobs,
 )
+from ingot.spec_decode.ngram import NgramProposer
 from ingot.structured_output.bitmask import apply_grammar_bitmask
 from ingot.worker.cuda_graphs import CaptureFn, DecodeGraphs
 from ingot.worker.outputs import (
@@ -111,6 +114,14 @@ class ModelRunner:
         self._prev_decode: tuple[list[str], torch.Tensor] | None = None
         self.async_steps = 0
         self.sync_fallback_steps = 0
+        self.rejection_sampler = RejectionSampler(self.sampler)
+        spec = config.speculative_config
+        self.proposer: NgramProposer | None = None
+        if spec is not None and spec.method == "ngram":
+            assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
+            self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max,
+                                          spec.num_speculative_tokens,
+                                          config.model_config.max_model_len)
 
     def capture_decode_graphs(self, capture: CaptureFn | None = None) -> DecodeGraphs:
         """Capture every decode bucket of the grid (largest first, as the later, smaller graphs
@@ -170,6 +181,8 @@ class ModelRunner:
         ones arrive, scheduled ones gain their new blocks."""
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
+            if self.proposer is not None:
+                self.proposer.remove(req_id)
             if self.pooler is not None:
                 self.pooler.remove_request(req_id)
         for new in so.new_requests:
@@ -253,20 +266,32 @@ class ModelRunner:
             sample_rows = (ends - 1).tolist()
             causal = num_reqs == 1 and from_zero and not self.config.compilation.enabled
         else:
-            b_pad = so.num_padded if grid.enabled else num_reqs
+            # One row per token: a request's last token, then its drafts (a verification step
+            # lays each request's 1 + d rows end to end, one decode row per position).
+            total = sum(lens)
+            b_pad = max(so.num_padded, total) if grid.enabled else total
             positions = torch.zeros(b_pad, dtype=torch.int64)
-            real_pos = torch.tensor(starts, dtype=torch.int64)
-            positions[:num_reqs] = real_pos
-            input_ids = self._decode_input_ids(so, b_pad)
+            rows = torch.arange(num_reqs)
+            if total == num_reqs:
+                real_pos = torch.tensor(starts, dtype=torch.int64)
+                input_ids = self._decode_input_ids(so, b_pad)
+            else:
+                rows = torch.repeat_interleave(rows, torch.tensor(lens))
+                real_pos = torch.cat([torch.arange(s, s + n, dtype=torch.int64)
+                                      for s, n in zip(starts, lens, strict=True)])
+                ids = [t for st, it in zip(states, items, strict=True)
+                       for t in st.token_ids(it.start_position, 1) + it.draft_token_ids]
+                input_ids = torch.zeros(b_pad, dtype=torch.int64)
+                input_ids[:total] = torch.tensor(ids, dtype=torch.int64)
+            positions[:total] = real_pos
             if grid.enabled:
                 assert so.ctx_bucket is not None
                 width = cdiv(so.ctx_bucket, bs)
             else:
                 width = max(len(st.block_ids) for st in states)
-            rows = torch.arange(num_reqs)
             query_lens = [1] * b_pad
-            sample_rows = list(range(num_reqs))
-            n_pad, total = b_pad, num_reqs
+            sample_rows = (torch.cumsum(torch.tensor(lens), 0) - 1).tolist()
+            n_pad = b_pad
             causal = False
         table = torch.full((max(num_reqs, len(query_lens)), width), NULL_BLOCK_ID, dtype=torch.int64)
         for row, st in enumerate(states):
@@ -274,6 +299,9 @@ class ModelRunner:
             table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
         slots = torch.full((n_pad,), PAD_SLOT_ID, dtype=torch.int64)
         slots[:total] = slot_mapping(table, rows, real_pos, bs)
+        verifying = not so.is_prefill and total > num_reqs
+        if verifying:  # each row reads its own request's blocks
+            table = torch.cat([table[rows], table[num_reqs:num_reqs + 1].expand(n_pad - total, -1)])
         meta = AttentionMetadata.build(
             positions.to(self.device),
             query_lens,
@@ -283,6 +311,9 @@ class ModelRunner:
             # Eager only: under compilation the flag would split a prefill bucket in two graphs.
             causal=causal,
             is_decode=not so.is_prefill,
+            rows_share_sequences=verifying,
+            # The kernels of a plain decode step of these requests (bit-exact greedy).
+            kernel_rows=grid.decode_bucket(num_reqs) if verifying else 0,
         )
         return input_ids.to(self.device), positions.to(self.device), meta, sample_rows
 
@@ -297,8 +328,15 @@ class ModelRunner:
         input_ids, positions, meta, last_rows = self.prepare_inputs(so)
         if so.is_prefill:
             self._prev_decode = None
+        with kernel_rows(meta.kernel_rows):
+            return self._run_model(so, input_ids, positions, meta, last_rows)
+
+    def _run_model(
+        self, so: SchedulerOutput, input_ids: torch.Tensor, positions: torch.Tensor,
+        meta: AttentionMetadata, last_rows: list[int],
+    ) -> ModelRunnerOutput:
         hidden = None
-        if self.decode_graphs is not None and not so.is_prefill:
+        if self.decode_graphs is not None and meta.is_decode and not meta.rows_share_sequences:
             hidden = self.decode_graphs.replay(input_ids, positions, meta)
         embeds = None
         if so.is_prefill and self.config.model_config.enable_prompt_embeds:
@@ -331,32 +369,73 @@ class ModelRunner:
             self._prompt_logprobs(hidden, prompt_lp, output)
         if not sample_rows:
             return output
-        # Model dtype: the sampler makes its own float32 copy only when it processes them.
-        logits = self.model.compute_logits(hidden[sample_rows])
         states = [self.requests[r] for r in sample_reqs]
-        metadata = SamplingMetadata.from_params(
+        if any(it.draft_token_ids for it in so.scheduled):
+            new_tokens, logprobs_tensors = self._verify(hidden, so, states)
+        else:
+            new_tokens, logprobs_tensors = self._sample(hidden, so, sample_rows, sample_reqs,
+                                                        states)
+        output.sampled_token_ids = new_tokens
+        row = 0
+        for req_id, state, tokens in zip(sample_reqs, states, new_tokens, strict=True):
+            state.output_token_ids.extend(tokens)
+            k = state.params.logprobs
+            if logprobs_tensors is not None and k is not None:
+                output.logprobs[req_id] = [
+                    SampledLogprobs(*_tensors_to_lists(logprobs_tensors, row + j, k))
+                    for j in range(len(tokens))
+                ]
+            row += len(tokens)
+        if self.proposer is not None and so.propose_drafts:
+            for req_id, state in zip(sample_reqs, states, strict=True):
+                if state.params.structured_outputs is None:  # its grammar would need them too
+                    drafts = self.proposer.propose(req_id, state.prompt_token_ids,
+                                                   state.output_token_ids)
+                    if drafts:
+                        output.draft_token_ids[req_id] = drafts
+        return output
+
+    def _sampling_metadata(
+        self, states: list[CachedRequestState], outputs: list[list[int]] | None = None
+    ) -> SamplingMetadata:
+        """One row per state (``outputs``: each row's output tokens, when they are not the
+        state's own, e.g. a verification row after some drafts)."""
+        return SamplingMetadata.from_params(
             [s.params for s in states],
-            [s.output_token_ids for s in states],
+            outputs if outputs is not None else [s.output_token_ids for s in states],
             [s.prompt_token_ids for s in states],
             {i: s.generator for i, s in enumerate(states) if s.generator is not None},
             self.vocab_size,
             self.device,
         )
+
+    def _sample(
+        self, hidden: torch.Tensor, so: SchedulerOutput, sample_rows: list[int],
+        sample_reqs: list[str], states: list[CachedRequestState],
+    ) -> tuple[list[list[int]], LogprobsTensors | None]:
+        # Model dtype: the sampler makes its own float32 copy only when it processes them.
+        logits = self.model.compute_logits(hidden[sample_rows])
         apply_grammar_bitmask(logits, sample_reqs, so.grammar_bitmask)
-        result = self.sampler(logits, metadata)
+        result = self.sampler(logits, self._sampling_metadata(states))
         if not so.is_prefill:
             self._prev_decode = (sample_reqs, result.sampled_token_ids)
-        sampled = result.sampled_token_ids.tolist()
-        output.sampled_token_ids = sampled
-        for state, token in zip(states, sampled, strict=True):
-            state.output_token_ids.append(token)
-        if result.logprobs_tensors is not None:
-            for row, (req_id, state) in enumerate(zip(sample_reqs, states, strict=True)):
-                k = state.params.logprobs
-                if k is not None:
-                    ids, lps, rank = _tensors_to_lists(result.logprobs_tensors, row, k)
-                    output.logprobs[req_id] = SampledLogprobs(ids, lps, rank)
-        return output
+        return [[t] for t in result.sampled_token_ids.tolist()], result.logprobs_tensors
+
+    def _verify(
+        self, hidden: torch.Tensor, so: SchedulerOutput, states: list[CachedRequestState]
+    ) -> tuple[list[list[int]], LogprobsTensors | None]:
+        """A verification step: logits at each request's last token and drafts, checked by
+        the rejection sampler (every scheduled request samples in a decode step)."""
+        drafts = [it.draft_token_ids for it in so.scheduled]
+        ends = torch.cumsum(torch.tensor([it.num_tokens for it in so.scheduled]), 0).tolist()
+        spec = SpecDecodeMetadata.make(drafts, ends)
+        logits = self.model.compute_logits(hidden[spec.logits_indices.to(hidden.device)])
+        row_states = [st for st, d in zip(states, drafts, strict=True) for _ in range(len(d) + 1)]
+        row_outputs = [st.output_token_ids + d[:j] for st, d in zip(states, drafts, strict=True)
+                       for j in range(len(d) + 1)]
+        result = self.rejection_sampler(logits, self._sampling_metadata(row_states, row_outputs),
+                                        spec)
+        return result.token_ids, result.logprobs_tensors
 
     def _prompt_embeds_inputs(
         self, so: SchedulerOutput, num_rows: int

@@ -51,6 +51,14 @@ class AttentionMetadata:
     is_decode: bool = False
     # Decode: keys each request attends to (its position + 1).
     seq_lens: torch.Tensor | None = None
+    # A decode step whose rows are consecutive positions of the same sequences (verification
+    # of draft tokens, one row per token): every row's key/value must be in the cache before
+    # any row attends, since a row reads the rows before it.
+    rows_share_sequences: bool = False
+    # Rows the linear layers choose their kernel by (0: the step's own rows). A verification
+    # step takes the kernels a plain decode of its requests would, so that its greedy tokens
+    # equal decoding's bit for bit.
+    kernel_rows: int = 0
 
     @classmethod
     def build(
@@ -62,6 +70,8 @@ class AttentionMetadata:
         block_size: int | None = None,
         causal: bool = False,
         is_decode: bool = False,
+        rows_share_sequences: bool = False,
+        kernel_rows: int = 0,
     ) -> AttentionMetadata:
         """Derive the grid layout from per-request query lengths (host side, O(T)). ``causal``:
         a single request whose query starts at position 0 (see the field). ``is_decode``: the
@@ -102,6 +112,8 @@ class AttentionMetadata:
             causal=causal,
             is_decode=is_decode,
             seq_lens=grid_positions[:, 0] + 1 if is_decode else None,
+            rows_share_sequences=rows_share_sequences,
+            kernel_rows=kernel_rows,
         )
 
 

@@ -7,6 +7,10 @@ loader knowing about the fusion.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -83,7 +87,7 @@ class LinearBase(nn.Module):
             self.cpu_kernels is not None
             and self.gemv_weight is not None
             and x.dim() == 2
-            and x.shape[0] <= GEMV_MAX_ROWS
+            and gemv_applies(x.shape[0])
         ):
             return gemv_bf16(self.cpu_kernels, x, self.gemv_weight, self.output_size, self.bias_f32)
         if self.packed_weight is not None:
@@ -91,6 +95,29 @@ class LinearBase(nn.Module):
                 x, self.packed_weight, self.bias, "none", [], ""
             )
         return F.linear(x, self.weight, self.bias)
+
+
+_kernel_rows = threading.local()
+
+
+@contextmanager
+def kernel_rows(rows: int) -> Iterator[None]:
+    """Inside, linear layers choose their kernel as for a batch of ``rows`` rows (0: their
+    input's own). A verification step of speculative decoding computes 1 + d rows per request
+    with the kernels a plain decode of its requests would use, so its greedy tokens are
+    decoding's bit for bit (ingot's GEMV gives every row the same result whatever the row
+    count; oneDNN's kernels differ from it)."""
+    previous = getattr(_kernel_rows, "rows", 0)
+    _kernel_rows.rows = rows
+    try:
+        yield
+    finally:
+        _kernel_rows.rows = previous
+
+
+def gemv_applies(rows: int) -> bool:
+    """ingot's GEMV kernel serves a bf16 linear of ``rows`` rows (else oneDNN)."""
+    return (getattr(_kernel_rows, "rows", 0) or rows) <= GEMV_MAX_ROWS
 
 
 def pack_linear_weights(model: nn.Module, keep_plain: bool = False) -> int:

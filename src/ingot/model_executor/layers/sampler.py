@@ -361,12 +361,19 @@ class Sampler(torch.nn.Module):
         if metadata.all_greedy:
             assert greedy is not None
             return greedy
+        random = random_sample(self.probs(logits, metadata), metadata.generators)
+        if greedy is None:
+            return random
+        return torch.where(temperature < _SAMPLING_EPS, greedy, random)
 
+    @staticmethod
+    def probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """The distribution random rows sample from: processed float32 logits (consumed) after
+        temperature, top-k, top-p and min-p, softmaxed. Greedy rows get a temperature of 1
+        (their argmax is taken from the logits before this)."""
+        temperature = metadata.temperature.to(logits.device)
         logits = apply_temperature(logits, temperature, metadata.all_random)
         logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
         if metadata.min_p is not None:
             logits = apply_min_p(logits, metadata.min_p)
-        random = random_sample(logits.softmax(dim=-1), metadata.generators)
-        if greedy is None:
-            return random
-        return torch.where(temperature < _SAMPLING_EPS, greedy, random)
+        return logits.softmax(dim=-1)

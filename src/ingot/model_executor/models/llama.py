@@ -84,9 +84,11 @@ class DecoderAttention(nn.Module):
         if (
             self.q_norm is None
             and cos_sin.dtype == torch.bfloat16
+            and not meta.rows_share_sequences
             and cpu_decode_applies(self.cpu_kernels, q, kv_cache, meta, self.kv_scales)
         ):
-            # Decode: rotary, the cache write and attention in one kernel call.
+            # Decode: rotary, the cache write and attention in one kernel call (not when rows
+            # of one sequence attend to each other: below, all rows are written first).
             out = decode_attention_bf16(
                 self.cpu_kernels, q, k, v, kv_cache, meta.slot_mapping, meta.block_table,
                 meta.seq_lens, self.scale, self.sliding_window, positions, cos_sin,

@@ -21,7 +21,7 @@ from torch import nn
 
 from ingot.model_executor.layers.attention import AttentionMetadata
 from ingot.model_executor.layers.cpu_kernels import CpuKernels, attention_scratch
-from ingot.model_executor.layers.linear import GEMV_MAX_ROWS
+from ingot.model_executor.layers.linear import gemv_applies
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -132,7 +132,10 @@ class LlamaCpuDecode:
         x, h, res, qkv, attn, gate_up, act = self._activations(rows)
         xp, rp, attnp, actp = x.data_ptr(), res.data_ptr(), attn.data_ptr(), act.data_ptr()
         q_bytes, kv_bytes = heads * head_dim * 2, kv_heads * head_dim * 2
-        use_gemv = rows <= GEMV_MAX_ROWS  # as LinearBase.forward chooses
+        use_gemv = gemv_applies(rows)  # as LinearBase.forward chooses
+        # Verification rows of one sequence read each other's keys: rotate and write every
+        # row's key/value first (the same rotation as the fused kernel), then attend.
+        write_first = meta.rows_share_sequences
         onednn = torch.ops.mkldnn._linear_pointwise
 
         table = meta.block_table.to(torch.int64).contiguous()
@@ -142,9 +145,13 @@ class LlamaCpuDecode:
         block_size = kv_caches[0].shape[2]
         width = table.shape[1]
         scratch, per_thread = attention_scratch(heads, width * block_size, threads)
-        step_args = (positions.data_ptr(), self.cos_sin.data_ptr())
-        tail_args = (slots.data_ptr(), table.data_ptr(), seq_lens.data_ptr(), attnp, rows, heads,
-                     kv_heads, head_dim, block_size, width)
+        step_args = (0, 0) if write_first else (positions.data_ptr(), self.cos_sin.data_ptr())
+        tail_args = (0 if write_first else slots.data_ptr(), table.data_ptr(),
+                     seq_lens.data_ptr(), attnp, rows, heads, kv_heads, head_dim, block_size,
+                     width)
+        if write_first:
+            q_rot = torch.empty(rows, heads * head_dim, dtype=torch.bfloat16)
+            k_rot = torch.empty(rows, kv_heads * head_dim, dtype=torch.bfloat16)
 
         value_offset = kv_caches[0][0].numel() * 2  # bytes from a cache's keys to its values
         embedded = self.model.model.embed_tokens(input_ids.view(rows))
@@ -164,9 +171,18 @@ class LlamaCpuDecode:
             qkvp = qkv.data_ptr()
             kc = cache.data_ptr()
             vc = kc + value_offset
-            attend(qkvp, qkv_size, qkvp + q_bytes, qkv_size, qkvp + q_bytes + kv_bytes, qkv_size,
-                   *step_args, kc, vc, *tail_args, window, scale, scratch.data_ptr(), per_thread,
-                   threads)
+            if write_first:
+                k.rope_write_kv(qkvp, qkv_size, qkvp + q_bytes, qkv_size,
+                                qkvp + q_bytes + kv_bytes, qkv_size, positions.data_ptr(),
+                                self.cos_sin.data_ptr(), q_rot.data_ptr(), k_rot.data_ptr(),
+                                kc, vc, slots.data_ptr(), rows, heads, kv_heads, head_dim,
+                                threads)
+                attend(q_rot.data_ptr(), heads * head_dim, 0, 0, 0, 0, *step_args, kc, vc,
+                       *tail_args, window, scale, scratch.data_ptr(), per_thread, threads)
+            else:
+                attend(qkvp, qkv_size, qkvp + q_bytes, qkv_size, qkvp + q_bytes + kv_bytes,
+                       qkv_size, *step_args, kc, vc, *tail_args, window, scale,
+                       scratch.data_ptr(), per_thread, threads)
             if use_gemv:
                 gemv(attnp, o_w, o_b, h.data_ptr(), rows, hidden, heads * head_dim, threads)
             else:

@@ -1,0 +1,182 @@
+"""Speculative decoding end to end: greedy output with speculation is token for token the
+output without it; drafts that copy the target are all accepted, random drafts almost never;
+the counters add up; bad configurations fail at start-up."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from test_engine_core_v2 import _engine, _mixed_requests, _run
+
+from ingot import LLM, SamplingParams
+from ingot.config import EngineArgs
+
+NGRAM = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3, "adaptive": False}
+
+
+def _spec(k: int, **kw) -> dict:
+    return {**NGRAM, "num_speculative_tokens": k, **kw}
+
+
+def _requests() -> list:
+    """The core tests' mixed requests (stop strings, min_tokens, penalties, n=2, aborts), and
+    two that run into max_model_len (256) with speculation near the cutoff."""
+    reqs = _mixed_requests()
+    rng = random.Random(5)
+    for _ in range(2):
+        prompt = [rng.randrange(3, 259) for _ in range(200)]
+        reqs.append((prompt, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)))
+    return reqs
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def dtype(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir, dtype):
+    return _run(_engine(tiny_llama_dir, 8, dtype=dtype), _requests())
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_identical_with_ngram_speculation(tiny_llama_dir, reference, dtype, k):
+    engine = _engine(tiny_llama_dir, 8, dtype=dtype, speculative_config=_spec(k))
+    got = _run(engine, _requests())
+    assert got == reference
+    for rid in ("32", "33"):  # ran to the length cutoff
+        assert got[rid][0][2] == "length" and len(got[rid][0][0]) == 256 - 200
+    stats = engine.get_stats()["spec_decode"]
+    # The comparison above means something: drafts were verified and many accepted.
+    assert stats.num_drafts > 20 and stats.num_accepted_tokens > 20
+    assert stats.num_accepted_tokens <= stats.num_draft_tokens <= k * stats.num_drafts
+    per_pos = stats.num_accepted_tokens_per_pos
+    assert len(per_pos) == k and sum(per_pos) == stats.num_accepted_tokens
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:], strict=False))
+    assert engine.get_stats()["num_running"] == 0
+
+
+class _FixedProposer:
+    """Drafts from a table: the reference continuation (a draft that copies the target) or
+    random tokens."""
+
+    def __init__(self, continuations: dict[str, list[int]] | None, k: int) -> None:
+        self.continuations, self.k = continuations, k
+        self.rng = random.Random(0)
+
+    def propose(self, req_id: str, prompt: list[int], output: list[int]) -> list[int]:
+        if self.continuations is None:
+            return [self.rng.randrange(3, 259) for _ in range(self.k)]
+        return self.continuations[req_id][len(output):len(output) + self.k]
+
+    def remove(self, req_id: str) -> None:
+        pass
+
+
+def _install(worker, proposer) -> None:  # noqa: ANN001
+    worker.model_runner.proposer = proposer
+
+
+def _acceptance(path, continuations, k: int):
+    engine = _engine(path, 8, speculative_config=_spec(k))
+    engine.collective_rpc(_install, (_FixedProposer(continuations, k),))
+    rng = random.Random(3)
+    params = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
+    for i in range(3):  # 3 x (1 + 4) rows fit the largest decode bucket (16)
+        engine.add_request(str(i), [rng.randrange(3, 259) for _ in range(20)], params)
+    outputs, steps = {}, 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+    return outputs, steps, engine.get_stats()["spec_decode"]
+
+
+def test_copying_draft_accepts_everything_and_random_draft_nothing(tiny_llama_dir):
+    k = 4
+    plain, plain_steps, _ = _acceptance(tiny_llama_dir, None, k)  # random drafts
+    _, _, random_stats = _acceptance(tiny_llama_dir, None, k)
+    assert random_stats.num_drafts > 0
+    assert random_stats.num_accepted_tokens / random_stats.num_draft_tokens < 0.05
+    copied, steps, stats = _acceptance(tiny_llama_dir, plain, k)
+    assert copied == plain  # greedy: the same tokens either way
+    assert stats.num_accepted_tokens == stats.num_draft_tokens  # acceptance 1.0
+    # 25 tokens: one from the prefill, then k + 1 per verification step.
+    assert steps == 1 + -(-24 // (k + 1))
+    assert plain_steps > 20  # random drafts: about one token per step
+
+
+def test_prefix_cache_never_shares_rejected_drafts(tiny_llama_dir):
+    """A prompt's second run reuses the blocks its first run published; rejected drafts'
+    K/V must not have been among them."""
+    rng = random.Random(9)
+    prompt = [rng.randrange(3, 259) for _ in range(61)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref = LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=256, block_size=4)
+    want = ref.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=256, block_size=4,
+              speculative_config=_spec(3))
+    first = llm.generate([{"prompt_token_ids": prompt}], params)[0]
+    cont = prompt + list(first.outputs[0].token_ids[:30])
+    second = llm.generate([{"prompt_token_ids": cont}], params)[0]
+    want2 = ref.generate([{"prompt_token_ids": cont}], params)[0].outputs[0].token_ids
+    assert first.outputs[0].token_ids == want and second.outputs[0].token_ids == want2
+    assert second.num_cached_tokens > len(prompt)  # it did reuse blocks of the first run
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"async_scheduling": True}, "async_scheduling cannot be combined"),
+    ({"compile": True}, "not supported with speculative_config"),
+    ({"speculative_config": '{"method": "ngram"'}, "not valid JSON"),
+    ({"speculative_config": {"method": "draft_model", "model": "/x",
+                             "num_speculative_tokens": 2}}, "not available"),
+])
+def test_bad_configs_fail_at_start_up(tiny_llama_dir, kw, message):
+    args = {"speculative_config": _spec(2), **kw}
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(model=str(tiny_llama_dir), **args).create_engine_config()
+
+
+def test_pooling_runner_refuses_speculation(tiny_llama_dir):
+    with pytest.raises(ValueError, match="pooling model never decodes"):
+        EngineArgs(model=str(tiny_llama_dir), runner="pooling", convert="embed",
+                   speculative_config=_spec(2)).create_engine_config()
+
+
+def test_server_with_speculation_serves_the_same_tokens_and_counts(tiny_llama_dir,
+                                                                   tmp_path_factory):
+    """`ingot serve --speculative-config` with the official client: greedy completions equal
+    the offline engine's without speculation (n=2 too), and the spec-decode counters move."""
+    import json
+
+    import openai
+    from server_utils import TINY_FLAGS, metric, run_server
+
+    prompts = [[40 + i] * (5 + 7 * i) for i in range(3)]
+    ref = LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=256)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = [o.outputs[0].text for o in
+            ref.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    args = [str(tiny_llama_dir), *TINY_FLAGS, "--speculative-config", json.dumps(_spec(3))]
+    with run_server(args, tmp_path_factory.mktemp("logs"), log_level="info") as server:
+        client = openai.OpenAI(base_url=server.base + "/v1", api_key="x")
+        model = client.models.list().data[0].id
+        before = server.metrics()
+        assert metric(before, "ingot:spec_decode_num_drafts_total") == 0
+        got = [client.completions.create(model=model, prompt=p, max_tokens=24, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+               for p in prompts]
+        assert got == want
+        two = client.completions.create(model=model, prompt=prompts[1], max_tokens=24,
+                                        temperature=0, n=2, extra_body={"ignore_eos": True})
+        assert [c.text for c in two.choices] == [want[1], want[1]]
+        m = server.metrics()
+        drafts = metric(m, "ingot:spec_decode_num_drafts_total")
+        drafted = metric(m, "ingot:spec_decode_num_draft_tokens_total")
+        accepted = metric(m, "ingot:spec_decode_num_accepted_tokens_total")
+        assert drafts > 0 and 0 < accepted <= drafted <= 3 * drafts
+        per_pos = [metric(m, "ingot:spec_decode_num_accepted_tokens_per_pos_total",
+                          position=str(p)) for p in range(3)]
+        assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
