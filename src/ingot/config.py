@@ -227,7 +227,7 @@ class StructuredOutputsConfig:
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3")
 # Built so far; the others are refused at start-up with a line that says so.
-SPECULATIVE_METHODS_BUILT = ("ngram",)
+SPECULATIVE_METHODS_BUILT = ("ngram", "draft_model")
 #: Drafts per step are capped: a verification step runs 1 + k rows per request.
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -248,10 +248,19 @@ class SpeculativeConfig:
     #: Stop speculating (per step) when measured verification steps yield fewer tokens per
     #: second than plain decode steps of the same batch bucket (core/spec_policy.py).
     adaptive: bool = True
+    #: draft_model: the draft's resolved config (set by EngineArgs, not a user key).
+    draft_model_config: ModelConfig | None = None
+
+    @property
+    def lookahead_slots(self) -> int:
+        """KV positions past a step's tokens that the proposer writes after it: a draft model
+        computes the token the step sampled and its first k - 1 drafts (n-gram lookup writes
+        nothing)."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
 
     @classmethod
     def from_dict(cls, value: dict[str, Any]) -> SpeculativeConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls)} - {"draft_model_config"}
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(
@@ -302,6 +311,11 @@ class SpeculativeConfig:
             config.prompt_lookup_min, config.prompt_lookup_max = lo, hi
             if config.model is not None:
                 raise ValueError("speculative method ngram takes no model; drop \"model\"")
+        if method == "draft_model" and not config.model:
+            raise ValueError(
+                'speculative method draft_model needs "model": a local directory or .gguf '
+                "file of a small model with the target's tokenizer"
+            )
         tp = config.draft_tensor_parallel_size
         if tp is not None and tp != 1:
             raise ValueError(
@@ -595,6 +609,8 @@ class EngineArgs:
             is_encoder_only=encoder_only,
             enable_prompt_embeds=bool(self.enable_prompt_embeds),
         )
+        if speculative is not None and speculative.method == "draft_model":
+            speculative.draft_model_config = _draft_model_config(speculative, model_config)
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -793,6 +809,29 @@ def apply_hf_overrides(hf_config: Any, overrides: dict[str, Any]) -> None:
                 rope["rope_theta"] = value
             elif key == "rope_scaling" and isinstance(value, dict):
                 rope.update(value)
+
+
+def _draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelConfig:
+    """The draft model of ``draft_model`` speculation: the target's dtype and length, and its
+    vocabulary (a draft token is a target token id)."""
+    assert spec.model is not None
+    path, fmt = resolve_model_path(spec.model)
+    hf_config, _ = _load_hf_config(path, fmt)
+    if int(hf_config.vocab_size) != target.vocab_size:
+        raise ValueError(
+            f"the draft model {spec.model!r} has a vocabulary of {hf_config.vocab_size} tokens "
+            f"and the target {target.vocab_size}; a draft must share the target's tokenizer"
+        )
+    from ingot.model_executor.models.registry import resolve_model_class
+
+    model_cls = resolve_model_class(hf_config)
+    if getattr(model_cls, "pooling_task", None):
+        raise ValueError(f"the draft model {spec.model!r} is a pooling model; use a causal LM")
+    return ModelConfig(
+        model=path, format=fmt, hf_config=hf_config, dtype=target.dtype,
+        max_model_len=target.max_model_len, tokenizer=path, skip_tokenizer_init=True,
+        seed=target.seed, hf_overrides={}, served_model_name=_default_served_name(path),
+    )
 
 
 def _st_config(path: str) -> Any:

@@ -65,10 +65,11 @@ class _FixedProposer:
         self.continuations, self.k = continuations, k
         self.rng = random.Random(0)
 
-    def propose(self, req_id: str, prompt: list[int], output: list[int]) -> list[int]:
+    def propose(self, requests) -> list[list[int]]:  # noqa: ANN001
         if self.continuations is None:
-            return [self.rng.randrange(3, 259) for _ in range(self.k)]
-        return self.continuations[req_id][len(output):len(output) + self.k]
+            return [[self.rng.randrange(3, 259) for _ in range(self.k)] for _ in requests]
+        return [self.continuations[r][len(s.output_token_ids):len(s.output_token_ids) + self.k]
+                for r, s in requests]
 
     def remove(self, req_id: str) -> None:
         pass
@@ -130,8 +131,10 @@ def test_prefix_cache_never_shares_rejected_drafts(tiny_llama_dir):
     ({"async_scheduling": True}, "async_scheduling cannot be combined"),
     ({"compile": True}, "not supported with speculative_config"),
     ({"speculative_config": '{"method": "ngram"'}, "not valid JSON"),
-    ({"speculative_config": {"method": "draft_model", "model": "/x",
+    ({"speculative_config": {"method": "eagle3", "model": "/x",
                              "num_speculative_tokens": 2}}, "not available"),
+    ({"speculative_config": {"method": "draft_model", "num_speculative_tokens": 2}},
+     "needs \"model\""),
 ])
 def test_bad_configs_fail_at_start_up(tiny_llama_dir, kw, message):
     args = {"speculative_config": _spec(2), **kw}
@@ -180,3 +183,51 @@ def test_server_with_speculation_serves_the_same_tokens_and_counts(tiny_llama_di
         per_pos = [metric(m, "ingot:spec_decode_num_accepted_tokens_per_pos_total",
                           position=str(p)) for p in range(3)]
         assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_draft_dir(tmp_path_factory):
+    """A different random Llama with the same byte tokenizer: a draft that rarely agrees."""
+    from tiny import make_byte_tokenizer, make_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny-draft")
+    make_tiny_model("llama", path, seed=7, vocab_size=259, num_hidden_layers=1)
+    make_byte_tokenizer(path)
+    return path
+
+
+def _draft(path, k: int) -> dict:
+    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": k,
+            "adaptive": False}
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_identical_with_a_draft_model(tiny_llama_dir, tiny_draft_dir, reference, dtype, k):
+    engine = _engine(tiny_llama_dir, 8, dtype=dtype,
+                     speculative_config=_draft(tiny_draft_dir, k))
+    assert _run(engine, _requests()) == reference
+    stats = engine.get_stats()["spec_decode"]
+    assert stats.num_drafts > 20 and stats.num_accepted_tokens <= stats.num_draft_tokens
+
+
+def test_the_target_as_its_own_draft_accepts_every_token(tiny_llama_dir, reference, dtype):
+    """A draft that copies the target: acceptance 1.0, k + 1 tokens per verification."""
+    k = 3
+    engine = _engine(tiny_llama_dir, 8, dtype=dtype,
+                     speculative_config=_draft(tiny_llama_dir, k))
+    assert _run(engine, _requests()) == reference
+    stats = engine.get_stats()["spec_decode"]
+    # Greedy with the same weights: only bf16 rounding between the draft's batched prefill
+    # and the target's decode rows could ever disagree.
+    rate = stats.num_accepted_tokens / stats.num_draft_tokens
+    assert rate == 1.0 if dtype == "float32" else rate > 0.97, rate
+
+
+def test_draft_with_another_vocabulary_is_refused(tiny_llama_dir, tmp_path):
+    from tiny import make_byte_tokenizer, make_tiny_model
+
+    make_tiny_model("llama", tmp_path, vocab_size=300)
+    make_byte_tokenizer(tmp_path)
+    with pytest.raises(ValueError, match="vocabulary of 300 tokens"):
+        EngineArgs(model=str(tiny_llama_dir),
+                   speculative_config=_draft(tmp_path, 2)).create_engine_config()

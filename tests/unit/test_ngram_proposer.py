@@ -60,12 +60,12 @@ def test_matches_the_reference_on_random_sequences():
 def test_proposer_buffers_grow_and_respect_max_model_len():
     p = NgramProposer(1, 3, 4, max_model_len=12)
     prompt = [1, 2, 3, 1, 2]
-    assert p.propose("a", prompt, []) == [3, 1, 2]
-    assert p.propose("a", prompt, [3, 1]) == [2, 3, 1]  # all that follows the match
+    assert p.propose_one("a", prompt, []) == [3, 1, 2]
+    assert p.propose_one("a", prompt, [3, 1]) == [2, 3, 1]  # all that follows the match
     # 9 tokens: the drafts and the token after them must fit in 12 -> at most 2 drafts
-    assert p.propose("a", prompt, [3, 1, 2, 3]) == [1, 2]
+    assert p.propose_one("a", prompt, [3, 1, 2, 3]) == [1, 2]
     p.remove("a")
-    assert p.propose("a", [9, 9, 9], []) == [9]
+    assert p.propose_one("a", [9, 9, 9], []) == [9]
 
 
 def test_config_defaults_and_validation():

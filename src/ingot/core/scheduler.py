@@ -71,6 +71,7 @@ class Scheduler:
             SpecDecodingStats(speculative.num_speculative_tokens)
             if speculative is not None else None
         )
+        self.lookahead_slots = speculative.lookahead_slots if speculative is not None else 0
         # Grammar state of constrained requests: masks for each step, advanced with the tokens.
         self.structured_output = structured_output
         self.kv = kv_cache_manager
@@ -213,7 +214,12 @@ class Scheduler:
         drafts: list[int] | None = None,
     ) -> ScheduledRequest:
         start = request.num_computed_tokens
-        blocks = self.kv.allocate_slots(request.request_id, start + n)  # actual tokens only
+        drafts = drafts or []
+        end = start + n
+        if end - len(drafts) == request.num_tokens + request.num_output_placeholders:
+            # It samples: room for the positions a draft model fills after the step.
+            end = min(end + self.lookahead_slots, self.config.max_model_len)
+        blocks = self.kv.allocate_slots(request.request_id, end)  # never for padding
         if request.num_blocks_sent == 0:  # its first step: the runner learns of it now
             new_requests.append(
                 NewRequestData(request.request_id, request.prompt_token_ids,
@@ -223,7 +229,6 @@ class Scheduler:
         new_block_ids = list(blocks[request.num_blocks_sent :])
         request.num_blocks_sent = len(blocks)
         request.num_computed_tokens = start + n  # rejected drafts are taken back later
-        drafts = drafts or []
         sample = start + n - len(drafts) == request.num_tokens + request.num_output_placeholders
         if sample:
             request.num_output_placeholders += 1

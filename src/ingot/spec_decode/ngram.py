@@ -12,6 +12,9 @@ never a Python loop over the context.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import numpy as np
 
 
@@ -51,7 +54,11 @@ class NgramProposer:
         self.max_model_len = max_model_len
         self._buffers: dict[str, tuple[np.ndarray, int]] = {}
 
-    def propose(self, req_id: str, prompt: list[int], output: list[int]) -> list[int]:
+    def propose(self, requests: Sequence[tuple[str, Any]]) -> list[list[int]]:
+        """Drafts for each (req_id, state) (``state.prompt_token_ids``, ``.output_token_ids``)."""
+        return [self.propose_one(r, s.prompt_token_ids, s.output_token_ids) for r, s in requests]
+
+    def propose_one(self, req_id: str, prompt: list[int], output: list[int]) -> list[int]:
         """Drafts for the request whose tokens are ``prompt + output`` (the last one sampled,
         not yet computed); no more than fit before max_model_len."""
         total = len(prompt) + len(output)

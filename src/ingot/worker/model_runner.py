@@ -37,6 +37,7 @@ from ingot.model_executor.layers.sampler import (
     SamplingMetadata,
     compute_prompt_logprobs,
 )
+from ingot.spec_decode.draft_model import DraftModelProposer
 from ingot.spec_decode.ngram import NgramProposer
 from ingot.structured_output.bitmask import apply_grammar_bitmask
 from ingot.worker.cuda_graphs import CaptureFn, DecodeGraphs
@@ -92,7 +93,10 @@ class ModelRunner:
         model: nn.Module,
         kv_caches: list[torch.Tensor],
         device: torch.device,
+        draft: tuple[nn.Module, list[torch.Tensor]] | None = None,
     ) -> None:
+        """``draft``: speculative decoding's draft model and its KV cache (method
+        draft_model)."""
         self.config = config
         self.model = model
         self.kv_caches = kv_caches
@@ -116,12 +120,17 @@ class ModelRunner:
         self.sync_fallback_steps = 0
         self.rejection_sampler = RejectionSampler(self.sampler)
         spec = config.speculative_config
-        self.proposer: NgramProposer | None = None
+        self.proposer: NgramProposer | DraftModelProposer | None = None
         if spec is not None and spec.method == "ngram":
             assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
             self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max,
                                           spec.num_speculative_tokens,
                                           config.model_config.max_model_len)
+        elif spec is not None:
+            assert draft is not None, "a draft model proposer needs the draft and its cache"
+            self.proposer = DraftModelProposer(draft[0], draft[1], spec.num_speculative_tokens,
+                                               self.block_size,
+                                               config.model_config.max_model_len, device)
 
     def capture_decode_graphs(self, capture: CaptureFn | None = None) -> DecodeGraphs:
         """Capture every decode bucket of the grid (largest first, as the later, smaller graphs
@@ -387,12 +396,12 @@ class ModelRunner:
                 ]
             row += len(tokens)
         if self.proposer is not None and so.propose_drafts:
-            for req_id, state in zip(sample_reqs, states, strict=True):
-                if state.params.structured_outputs is None:  # its grammar would need them too
-                    drafts = self.proposer.propose(req_id, state.prompt_token_ids,
-                                                   state.output_token_ids)
-                    if drafts:
-                        output.draft_token_ids[req_id] = drafts
+            # Not for constrained requests: their drafts would need the grammar's masks too.
+            wanted = [(r, st) for r, st in zip(sample_reqs, states, strict=True)
+                      if st.params.structured_outputs is None]
+            for (req_id, _), drafts in zip(wanted, self.proposer.propose(wanted), strict=True):
+                if drafts:
+                    output.draft_token_ids[req_id] = drafts
         return output
 
     def _sampling_metadata(

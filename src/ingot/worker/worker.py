@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import sys
 import time
@@ -33,12 +34,24 @@ from ingot.worker.profiler import ProfilerConfig, StepProfiler
 
 logger = logging.getLogger("ingot")
 
+def _kv_layer_shapes(config: EngineConfig, num_blocks: int) -> list[tuple[int, ...]]:
+    """One cache tensor per attention layer: the target's, then a draft model's (speculative
+    decoding: its blocks are the target's block ids, in tensors of its own)."""
+    models = [config.model_config.hf_config]
+    spec = config.speculative_config
+    if spec is not None and spec.draft_model_config is not None:
+        models.append(spec.draft_model_config.hf_config)
+    shapes = []
+    for hf in models:
+        num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+        shape = (2, num_blocks, config.cache_config.block_size, num_kv_heads, head_dim_of(hf))
+        shapes += [shape] * hf.num_hidden_layers
+    return shapes
+
+
 def kv_bytes_per_block(config: EngineConfig, dtype: torch.dtype) -> int:
-    hf = config.model_config.hf_config
-    num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
     elem = torch.empty((), dtype=dtype).element_size()
-    per_layer = 2 * config.cache_config.block_size * num_kv_heads * head_dim_of(hf) * elem
-    return per_layer * hf.num_hidden_layers
+    return sum(math.prod(shape) * elem for shape in _kv_layer_shapes(config, 1))
 
 
 def plan_num_blocks(
@@ -179,10 +192,18 @@ class Worker:
         start = time.perf_counter()
         self.model = load_model(config.model_config, self.device,
                                 keep_plain_weights=config.compilation.enabled)
+        # Speculative decoding's draft model, beside the target.
+        spec = config.speculative_config
+        self.draft_model = (
+            load_model(spec.draft_model_config, self.device)
+            if spec is not None and spec.draft_model_config is not None else None
+        )
         self.load_seconds = time.perf_counter() - start
         # What the weights occupy, the kernels' derived layouts included (the KV budget is
         # what memory they leave).
-        self.load_bytes = resident_weight_bytes(self.model)
+        self.load_bytes = resident_weight_bytes(self.model) + (
+            resident_weight_bytes(self.draft_model) if self.draft_model is not None else 0
+        )
         self.profiler = StepProfiler(
             ProfilerConfig.from_dict(config.additional_config.get("profiler")),
             rank=rank,
@@ -204,13 +225,10 @@ class Worker:
     def initialize_cache(self, num_blocks: int) -> None:
         config = self.config
         self.num_blocks = num_blocks
-        hf = config.model_config.hf_config
-        num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
-        shape = (2, num_blocks, config.cache_config.block_size, num_kv_heads, head_dim_of(hf))
-        self.kv_caches = [
-            allocate_kv_cache(shape, self.kv_dtype, self.device)
-            for _ in range(hf.num_hidden_layers)
-        ]
+        caches = [allocate_kv_cache(shape, self.kv_dtype, self.device)
+                  for shape in _kv_layer_shapes(config, num_blocks)]
+        num_layers = config.model_config.hf_config.num_hidden_layers
+        self.kv_caches, draft_caches = caches[:num_layers], caches[num_layers:]
         logger.info(
             "KV cache: %d blocks x %d tokens (%.1f MB)",
             num_blocks,
@@ -219,7 +237,8 @@ class Worker:
         )
         if self.kv_dtype == torch.float8_e4m3fn:
             self._set_fp8_scales()
-        self.model_runner = ModelRunner(config, self.model, self.kv_caches, self.device)
+        draft = (self.draft_model, draft_caches) if self.draft_model is not None else None
+        self.model_runner = ModelRunner(config, self.model, self.kv_caches, self.device, draft)
         # Compile every bucket before the engine reports ready (nothing compiles while serving).
         if config.compilation.enabled:
             from ingot.compilation.model_compiler import ModelCompiler
