@@ -202,6 +202,9 @@ class StructuredOutputsConfig:
     max_json_whitespace: int | None = 16
     #: Compiled grammars kept, keyed by (kind, spec text, options).
     cache_size: int = 256
+    #: Threads of the compile pool: grammars compile there, off the engine thread, while
+    #: their requests wait (WAITING_FOR_FSM) and running requests keep decoding.
+    compile_threads: int = 2
 
     @classmethod
     def from_dict(cls, value: dict[str, Any]) -> StructuredOutputsConfig:
@@ -226,6 +229,7 @@ class StructuredOutputsConfig:
         if ws is not None and (isinstance(ws, bool) or not isinstance(ws, int) or ws < 1):
             raise ValueError(f"max_json_whitespace must be an integer >= 1 or null, got {ws!r}")
         _positive("cache_size", config.cache_size)
+        _positive("compile_threads", config.compile_threads)
         return config
 
 

@@ -160,6 +160,10 @@ BAD_REQUESTS = [
      ["invalid structured_outputs.grammar"], "structured_outputs"),
     (CMPL, {"prompt": "hi", "structured_outputs": {"json": {"type": "object"}, "jsn": 1}}, 400,
      ["unknown structured_outputs field", "jsn"], "structured_outputs"),
+    # xgrammar has no whitespace regex: refused, naming what to use instead
+    (CMPL, {"prompt": "hi", "structured_outputs": {"json_object": True,
+                                                   "whitespace_pattern": "[ ]?"}}, 400,
+     ["whitespace_pattern is not supported", "disable_any_whitespace"], "structured_outputs"),
     (CHAT, {"messages": MSGS, "store": "yes"}, 400, ["store", "boolean"], "store"),
     (CHAT, {"messages": MSGS, "metadata": {"k": 1}}, 400, ["metadata"], "metadata.k"),
     (CHAT, {"messages": MSGS, "chat_template": "{% if %}"}, 400, ["chat template"], "messages"),

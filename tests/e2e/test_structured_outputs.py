@@ -233,7 +233,10 @@ def test_constraint_starts_after_the_reasoning_end(tiny_llama_dir):
     def add(rid, **extra):
         params = SamplingParams(structured_outputs={"choice": ["yes", "no"], **extra})
         params.all_stop_token_ids = {2}
-        manager.add_request(Request(rid, PROMPT, params))
+        request = Request(rid, PROMPT, params)
+        manager.add_request(request)
+        while not manager.ready(request):  # it compiles on the pool
+            manager.wait_for_compiles(1.0)
         return ScheduledRequest(rid, [5], 0, [1], sample=True)
 
     def allowed(sched):

@@ -67,3 +67,8 @@ def test_structured_outputs_config():
     with pytest.raises(ValueError, match="max_json_whitespace"):
         StructuredOutputsConfig.from_dict({"max_json_whitespace": 0})
     assert StructuredOutputsConfig.from_dict({"max_json_whitespace": None}).max_json_whitespace is None
+    assert StructuredOutputsConfig.from_dict({}).compile_threads == 2
+    assert StructuredOutputsConfig.from_dict({"compile_threads": 1}).compile_threads == 1
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="compile_threads must be a positive integer"):
+            StructuredOutputsConfig.from_dict({"compile_threads": bad})

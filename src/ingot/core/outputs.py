@@ -20,6 +20,8 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
     pooled: list[float] | None = None  # a pooling request's output (it finishes with it)
+    # Why the core failed the request (aborted): its constraint did not compile.
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

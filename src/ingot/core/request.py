@@ -17,6 +17,9 @@ from ingot.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
+    # Its grammar is still compiling on the StructuredOutputManager's pool: the scheduler
+    # passes over it (keeping its place) until the manager says it is ready, then WAITING.
+    WAITING_FOR_FSM = "waiting_for_fsm"
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED_STOPPED = "stop"

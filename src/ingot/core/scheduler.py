@@ -155,8 +155,12 @@ class Scheduler:
         self.holdback.extend(self.waiting)
         self.waiting.clear()
         num_prefilling, tokens_left = self._prefill_work()
+        compiling: list[Request] = []
         while self.holdback and self.can_schedule(num_prefilling, tokens_left):
             request = self.holdback.popleft()
+            if request.status == RequestStatus.WAITING_FOR_FSM and not self._fsm_ready(request):
+                compiling.append(request)  # passed over, not blocking the queue behind it
+                continue
             # A request that wants prompt logprobs needs logits at every prompt position, so it
             # computes its whole prompt (its blocks are still published for others), as in vLLM;
             # so does a pooling request (it pools every prompt token's hidden state).
@@ -170,7 +174,12 @@ class Scheduler:
             self.running.append(request)
             num_prefilling += 1
             tokens_left += request.num_prompt_tokens - request.num_computed_tokens
+        self.holdback.extendleft(reversed(compiling))  # they keep their places
         self.waiting, self.holdback = self.holdback, deque()
+
+    def _fsm_ready(self, request: Request) -> bool:
+        """A request waiting for its grammar may run once the manager has it compiled."""
+        return self.structured_output is None or self.structured_output.ready(request)
 
     # ---- scheduling --------------------------------------------------------------------
     def _can_sample(self, request: Request) -> bool:

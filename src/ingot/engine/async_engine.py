@@ -117,7 +117,10 @@ class AsyncLLM:
                     except Exception:  # metrics must never take the engine down
                         logger.exception("stat logging failed")
                 for out in outputs:
-                    self._deliver(out.request_id, out)
+                    error = getattr(out, "error", None)
+                    # A request the engine failed (its constraint did not compile) ends its
+                    # stream with the ValueError, as add_request raising it would.
+                    self._deliver(out.request_id, out if error is None else ValueError(error))
         except BaseException as exc:  # noqa: BLE001 - the loop must report, not die silently
             logger.exception("engine step failed; failing every pending request")
             with self._lock:

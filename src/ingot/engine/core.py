@@ -79,16 +79,20 @@ class EngineCore:
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queue a request; a constraint that does not compile raises ``ValueError`` here."""
+        """Queue a request. A constrained one waits (``WAITING_FOR_FSM``) while its grammar
+        compiles on the manager's pool; one that fails to compile finishes with ``error`` set
+        in a later step's output."""
         if request.use_structured_output:
             self.structured_output.add_request(request)
         self.scheduler.add_request(request)
 
-    def compile_structured_output(self, params: SamplingParams) -> None:
-        """Compile ``params``' constraint now (then cached): the server calls it before a
-        stream starts, so a bad schema is a 400 rather than an error event."""
-        if params.structured_outputs is not None:
-            self.structured_output.compile(params.structured_outputs)
+    def submit_structured_output(self, params: SamplingParams) -> Future | None:
+        """Start compiling ``params``' constraint (then cached) without waiting: the server
+        awaits the future before a stream starts, so a bad schema is a 400 rather than an
+        error event. None without a constraint."""
+        if params.structured_outputs is None:
+            return None
+        return self.structured_output.submit(params.structured_outputs)
 
     def finish_requests(self, request_ids: Sequence[str], status: RequestStatus) -> None:
         """Abort (or, for a stop string the front end found, stop) requests; frees blocks."""
@@ -103,6 +107,15 @@ class EngineCore:
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        failed = self._fail_uncompiled()
+        outputs = failed + self._step()
+        if not outputs and not self.batch_queue:
+            # Nothing ran: only requests waiting for a grammar are left (if any). Block on
+            # their compiles briefly rather than spin; commands wait at most this long.
+            self.structured_output.wait_for_compiles(0.01)
+        return outputs
+
+    def _step(self) -> list[EngineCoreOutput]:
         if self.max_in_flight > 1:
             return self._step_with_batch_queue()
         so = self.scheduler.schedule()
@@ -116,6 +129,16 @@ class EngineCore:
         self.scheduler.record_step_time(so, time.perf_counter() - start,
                                         sum(len(t) for t in output.sampled_token_ids))
         return self._apply(so, output)
+
+    def _fail_uncompiled(self) -> list[EngineCoreOutput]:
+        """Finish the requests whose constraint failed to compile or timed out, each with its
+        error; the rest of the engine is untouched."""
+        outputs = []
+        for rid, error in self.structured_output.take_failed():
+            self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+            outputs.append(EngineCoreOutput(rid, finish_status=RequestStatus.FINISHED_ABORTED,
+                                            error=error))
+        return outputs
 
     def _step_with_batch_queue(self) -> list[EngineCoreOutput]:
         """Submit the next step while the queue has room; wait for the oldest only when the

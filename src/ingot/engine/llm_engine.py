@@ -62,6 +62,7 @@ class _ReqState:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     pooled: list[float] | None = None  # a pooling request's output
+    error: str | None = None  # the core failed it (a constraint that did not compile)
 
     @property
     def is_finished(self) -> bool:
@@ -429,11 +430,18 @@ class LLMEngine:
         touched: set[str] = set()
         now = time.time()
         stopped: list[str] = []
+        failed: list[str] = []
         for out in core_outputs:
             state = self.requests.get(out.req_id)
             if state is None:
                 continue
             parent = self._child_to_parent[out.req_id]
+            if out.error is not None:
+                state.error, state.finish_reason = out.error, out.finish_status.value
+                state.metrics.finished_time = now
+                failed.append(parent)
+                touched.add(parent)
+                continue
             state.num_cached_tokens = out.num_cached_tokens
             if state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = out.first_scheduled_time
@@ -475,6 +483,12 @@ class LLMEngine:
             touched.add(parent)
         if stopped:
             self.engine_core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        for parent in failed:
+            # One failed child fails its request: its siblings (same constraint) stop too.
+            rest = [c for c in self.parents[parent].children if not self.requests[c].is_finished]
+            self.engine_core.finish_requests(rest, RequestStatus.FINISHED_ABORTED)
+            for child in rest:
+                self.requests[child].finish_reason = RequestStatus.FINISHED_ABORTED.value
         return touched
 
     def _completion(self, index: int, request: _ReqState) -> CompletionOutput:
@@ -514,6 +528,7 @@ class LLMEngine:
             finished=finished,
             metrics=first.metrics,
             num_cached_tokens=first.num_cached_tokens,
+            error=next((c.error for c in children if c.error is not None), None),
         )
 
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:

@@ -50,6 +50,9 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     kv_transfer_params: dict | None = field(default=None, repr=False)
+    # ingot: set (with finish_reason "abort") when the engine failed the request, e.g. its
+    # constraint did not compile; LLM.generate raises it as ValueError, the server as a 400.
+    error: str | None = None
 
 
 @dataclass

@@ -95,8 +95,10 @@ class StructuredOutputsParams:
                              "list of token ids")
         if self.whitespace_pattern is not None:
             raise ValueError(
-                "structured_outputs.whitespace_pattern is not supported by the xgrammar backend; "
-                "use disable_any_whitespace=true for compact JSON, or a regex constraint"
+                "structured_outputs.whitespace_pattern is not supported by the xgrammar backend "
+                "(its JSON grammars allow free whitespace, capped by max_json_whitespace, or "
+                "none; not a pattern): use disable_any_whitespace=true for compact JSON, or a "
+                "regex constraint"
             )
 
     @property

@@ -189,8 +189,10 @@ class LLM:
             while pending:
                 for out in engine.step():
                     if out.finished and out.request_id in pending:
-                        finished[out.request_id] = out
                         pending.discard(out.request_id)
+                        if getattr(out, "error", None) is not None:
+                            raise ValueError(out.error)  # as if add_request had refused it
+                        finished[out.request_id] = out
                         bar.update(1)
         except BaseException:
             engine.abort_request(list(pending))

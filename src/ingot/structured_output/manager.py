@@ -1,15 +1,22 @@
 """StructuredOutputManager: compiled grammars and one xgrammar matcher per constrained request.
 
 Owned by the engine core (``EngineCore``) and driven by the scheduler, which owns the tokens:
-- ``add_request`` compiles the request's constraint (cached by kind, spec text and options) and
-  creates its matcher; an invalid schema, regex or grammar, or a compile that exceeds
-  ``compile_timeout_s``, raises ``ValueError`` there, so only that request fails (a 400);
+- ``add_request`` submits the request's constraint to a small compile pool (cached by kind,
+  spec text and options; a grammar already compiled or compiling is shared) and, unless it is
+  ready at once, puts the request in ``WAITING_FOR_FSM``. The engine thread never waits on a
+  compile: xgrammar releases the GIL while it compiles, so running requests keep decoding;
+- ``ready`` (the scheduler asks it of a ``WAITING_FOR_FSM`` request) gives the request its
+  matcher once the compile is done and moves it to ``WAITING``;
+- ``take_failed`` hands the engine core the requests whose compile failed, or ran past
+  ``compile_timeout_s`` (counted from ``add_request``): the core finishes each with its error
+  (``ValueError`` offline, a 400 over HTTP), never the engine;
 - ``grammar_bitmask`` fills the packed mask rows of the step's sampling, constrained requests
   (``Scheduler.schedule``); the runner applies them to the logits (``bitmask.py``);
 - ``accept_token`` advances a matcher with the token the scheduler appended
   (``Scheduler.update_from_output``), reporting when the grammar has terminated (the request
   then stops) or rejected the token (the request is aborted, never the engine).
 
+Everything but the compile itself runs on the engine thread; pool threads only compile.
 xgrammar is imported on the first constrained request: unconstrained engines never pay for it.
 """
 
@@ -20,11 +27,14 @@ import enum
 import json
 import logging
 import re
+import threading
+import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 from ingot.config import StructuredOutputsConfig
-from ingot.core.request import Request
+from ingot.core.request import Request, RequestStatus
 from ingot.core.sched_output import GrammarBitmask, ScheduledRequest
 from ingot.engine.sampling_params import StructuredOutputsParams
 
@@ -45,46 +55,84 @@ def _clean_error(exc: BaseException) -> str:
     return _CPP_PREFIX.sub("", str(exc).strip()).strip()
 
 
+def compile_timeout_message(kind: str, timeout: float) -> str:
+    """The error of a constraint that did not compile in time (it names the knob)."""
+    return (
+        f"the {kind} constraint did not compile within {timeout:g} s "
+        "(structured_outputs_config compile_timeout_s); simplify it"
+    )
+
+
+@dataclass
+class _Compiling:
+    """A request waiting for its grammar: the (possibly shared) compile and its deadline."""
+
+    request: Request
+    future: concurrent.futures.Future
+    deadline: float  # time.monotonic()
+
+
+def _failure(future: concurrent.futures.Future) -> str | None:
+    """The user-facing error of a finished compile, or None if it succeeded."""
+    if future.cancelled():
+        return "the constraint's compile was cancelled (the engine is shutting down)"
+    exc = future.exception()
+    return None if exc is None else str(exc)
+
+
 class StructuredOutputManager:
     def __init__(self, tokenizer: Any, vocab_size: int, config: StructuredOutputsConfig) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the logits' width: masks follow it, not the tokenizer
         self.config = config
         self._compiler: Any = None
+        # The first compile builds xgrammar's tokenizer info on a pool thread; two compiles
+        # starting at once must not both build it.
+        self._compiler_lock = threading.Lock()
         self._cache: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+        # Compiles submitted and not yet swept into the cache, by key (shared by every request
+        # with that constraint, and by the server's check before a request is added).
+        self._inflight: dict[tuple[Any, ...], concurrent.futures.Future] = {}
+        self._compiling: dict[str, _Compiling] = {}
         self._matchers: dict[str, Any] = {}
         # Requests still reasoning: the end marker, and the output tokens seen so far (a tail
         # as long as the marker). Their tokens are free until the marker completes.
         self._reasoning: dict[str, tuple[list[int], list[int]]] = {}
-        # Compiles run on a small pool so a slow one can be timed out (its thread finishes in
-        # the background; the request has already failed).
-        self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="ingot-grammar")
+        # Compiles run here, off the engine thread. A compile that outlives its timeout keeps
+        # its thread until it ends (xgrammar cannot cancel one); its requests have failed.
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            config.compile_threads, thread_name_prefix="ingot-grammar"
+        )
         self.num_compiles = 0
         self.num_cache_hits = 0
 
     @property
     def num_requests(self) -> int:
+        """Requests with a matcher (compiled); ``num_compiling`` more wait for their grammar."""
         return len(self._matchers)
 
-    def _get_compiler(self) -> Any:
-        if self._compiler is None:
-            if self.tokenizer is None:
-                raise ValueError(
-                    "structured outputs need a tokenizer; the engine was started with "
-                    "skip_tokenizer_init"
-                )
-            import xgrammar as xgr
+    @property
+    def num_compiling(self) -> int:
+        return len(self._compiling)
 
-            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
-            # Our cache keys carry the request options; xgrammar's own cache would duplicate it.
-            self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
-        return self._compiler
+    def _get_compiler(self) -> Any:
+        with self._compiler_lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size
+                )
+                # Our cache keys carry the request options; xgrammar's own would duplicate it.
+                self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+            return self._compiler
 
     # ---- compiling -----------------------------------------------------------------------
     def _key(self, params: StructuredOutputsParams) -> tuple[Any, ...]:
         return (params.kind, params.spec, params.disable_any_whitespace)
 
     def _compile_now(self, params: StructuredOutputsParams) -> Any:
+        """Compile on the calling thread (a pool thread): the compiled grammar."""
         import xgrammar as xgr
 
         compiler = self._get_compiler()
@@ -117,43 +165,134 @@ class StructuredOutputManager:
             return compiler.compile_structural_tag(tags, spec.get("triggers", []))
         return compiler.compile_structural_tag(params.structural_tag)
 
-    def compile(self, params: StructuredOutputsParams) -> Any:
-        """The compiled grammar for ``params`` (cached); ``ValueError`` if it cannot compile in
-        ``compile_timeout_s``."""
+    def _compile_task(self, params: StructuredOutputsParams) -> Any:
+        """What a pool thread runs: xgrammar's errors become the user-facing ValueError."""
+        try:
+            return self._compile_now(params)
+        except (RuntimeError, ValueError, TypeError, KeyError) as exc:
+            raise ValueError(
+                f"invalid structured_outputs.{params.kind}: {_clean_error(exc)}"
+            ) from exc
+
+    def _sweep(self) -> None:
+        """Move finished compiles into the cache (failures are not cached). A compile whose
+        requests were aborted or timed out still lands here, for the next request."""
+        for key, future in list(self._inflight.items()):
+            if not future.done():
+                continue
+            del self._inflight[key]
+            if _failure(future) is not None:
+                continue
+            self._cache[key] = future.result()
+            if len(self._cache) > self.config.cache_size:
+                self._cache.popitem(last=False)
+
+    def submit(self, params: StructuredOutputsParams) -> concurrent.futures.Future:
+        """The compile of ``params``' grammar, never waited for: already done when cached,
+        shared when that grammar is already compiling. Its error is the request's
+        ``ValueError``. Engine thread only (the server's pre-check runs there too)."""
+        if self.tokenizer is None:
+            raise ValueError(
+                "structured outputs need a tokenizer; the engine was started with "
+                "skip_tokenizer_init"
+            )
+        self._sweep()
         key = self._key(params)
         cached = self._cache.get(key)
         if cached is not None:
             self._cache.move_to_end(key)
             self.num_cache_hits += 1
-            return cached
-        self._get_compiler()  # a missing tokenizer is the caller's error, raised here
-        future = self._pool.submit(self._compile_now, params)
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(cached)
+            return done
+        future = self._inflight.get(key)
+        if future is None:
+            future = self._pool.submit(self._compile_task, params)
+            self._inflight[key] = future
+            self.num_compiles += 1
+        return future
+
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        """The compiled grammar for ``params``, waiting for it (benchmarks and tools; the
+        engine never calls this); ``ValueError`` if it cannot compile in
+        ``compile_timeout_s``."""
         timeout = self.config.compile_timeout_s
         try:
-            compiled = future.result(timeout=timeout)
+            compiled = self.submit(params).result(timeout=timeout)
         except concurrent.futures.TimeoutError as exc:
-            raise ValueError(
-                f"the {params.kind} constraint did not compile within {timeout:g} s "
-                "(structured_outputs_config compile_timeout_s); simplify it"
-            ) from exc
-        except (RuntimeError, ValueError, TypeError, KeyError) as exc:
-            raise ValueError(
-                f"invalid structured_outputs.{params.kind}: {_clean_error(exc)}"
-            ) from exc
-        self.num_compiles += 1
-        self._cache[key] = compiled
-        if len(self._cache) > self.config.cache_size:
-            self._cache.popitem(last=False)
+            raise ValueError(compile_timeout_message(params.kind, timeout)) from exc
+        self._sweep()
         return compiled
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Compile the request's constraint and give it a matcher (``ValueError`` if invalid)."""
+        """Start the request's compile; it is ``WAITING_FOR_FSM`` unless its grammar is ready
+        (cached) now. ``ValueError`` only when structured outputs cannot run at all."""
+        params = request.sampling_params.structured_outputs
+        assert params is not None
+        future = self.submit(params)
+        if future.done() and _failure(future) is None:
+            self._start(request, future.result())
+            return
+        request.status = RequestStatus.WAITING_FOR_FSM
+        self._compiling[request.request_id] = _Compiling(
+            request, future, time.monotonic() + self.config.compile_timeout_s
+        )
+
+    def ready(self, request: Request) -> bool:
+        """Whether ``request`` may be scheduled: once its compile is done it gets its matcher
+        and moves to ``WAITING``. A failed compile stays not ready until ``take_failed``."""
+        entry = self._compiling.get(request.request_id)
+        if entry is None:
+            return True
+        if not entry.future.done() or _failure(entry.future) is not None:
+            return False
+        del self._compiling[request.request_id]
+        self._start(request, entry.future.result())
+        request.status = RequestStatus.WAITING
+        return True
+
+    def take_failed(self) -> list[tuple[str, str]]:
+        """(request id, error) of each request whose compile failed or passed its deadline;
+        they are forgotten here, and the caller finishes them."""
+        if not self._compiling:
+            return []
+        now = time.monotonic()
+        failed = []
+        for rid, entry in list(self._compiling.items()):
+            if entry.future.done():
+                error = _failure(entry.future)
+            elif now >= entry.deadline:
+                params = entry.request.sampling_params.structured_outputs
+                error = compile_timeout_message(params.kind, self.config.compile_timeout_s)
+            else:
+                continue
+            if error is None:
+                continue  # compiled: ``ready`` starts it when the scheduler gets to it
+            del self._compiling[rid]
+            logger.warning("request %s: %s", rid, error)
+            failed.append((rid, error))
+        return failed
+
+    def wait_for_compiles(self, timeout: float) -> None:
+        """Block up to ``timeout`` s (less if a deadline comes sooner) until a pending compile
+        finishes: the engine loop calls this when nothing else can run, so it neither spins
+        nor sleeps past a compile. Returns at once when none is pending."""
+        if not self._compiling:
+            return
+        futures = {e.future for e in self._compiling.values()}
+        if any(f.done() for f in futures):
+            return  # something to act on already
+        soonest = min(e.deadline for e in self._compiling.values()) - time.monotonic()
+        concurrent.futures.wait(
+            futures, timeout=max(0.0, min(timeout, soonest)),
+            return_when=concurrent.futures.FIRST_COMPLETED,
+        )
+
+    def _start(self, request: Request, compiled: Any) -> None:
         import xgrammar as xgr
 
         params = request.sampling_params.structured_outputs
-        assert params is not None
-        compiled = self.compile(params)
         stops = sorted(request.sampling_params.all_stop_token_ids)
         # The request's own stop tokens end the grammar (EOS unless ignore_eos); with none the
         # matcher terminates as soon as the grammar is complete, and the request stops there.
@@ -166,8 +305,11 @@ class StructuredOutputManager:
             self._reasoning[request.request_id] = (list(params.reasoning_end_token_ids), [])
 
     def remove_request(self, request_id: str) -> None:
+        """Forget a finished or aborted request; a compile still running for it goes on (its
+        result is cached for later requests, and no matcher is made for this one)."""
         self._matchers.pop(request_id, None)
         self._reasoning.pop(request_id, None)
+        self._compiling.pop(request_id, None)
 
     def grammar_bitmask(self, scheduled: list[ScheduledRequest]) -> GrammarBitmask | None:
         """Masks for the scheduled requests that sample this step under a constraint."""

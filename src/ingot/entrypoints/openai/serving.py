@@ -31,6 +31,7 @@ from ingot.entrypoints.openai.reasoning_parsers import ReasoningParser
 from ingot.entrypoints.openai.tool_parsers.base import ToolParser
 from ingot.entrypoints.openai.tools import ToolRequest, parse_tool_request
 from ingot.errors import PromptTooLongError
+from ingot.structured_output.manager import compile_timeout_message
 
 request_logger = logging.getLogger("ingot.requests")
 
@@ -280,14 +281,23 @@ class OpenAIServing:
 
     # ---- engine --------------------------------------------------------------------------
     async def check_constraints(self, params_list: list[SamplingParams], param: str) -> None:
-        """Compile the requests' grammars on the engine thread (it owns the compiled-grammar
-        cache) before any response starts, so an invalid one is a 400 naming ``param``."""
+        """Compile the requests' grammars before any response starts, so an invalid one is a
+        400 naming ``param``. The compile is submitted on the engine thread (which owns the
+        compiled-grammar cache) and runs on the manager's pool; only this request awaits it,
+        so the engine keeps stepping. The request then finds its grammar cached."""
         core = self.engine.engine.engine_core
+        timeout = core.structured_output.config.compile_timeout_s
         for params in params_list:
             if params.structured_outputs is None:
                 continue
             try:
-                await self.engine.call(lambda p=params: core.compile_structured_output(p))
+                future = await self.engine.call(lambda p=params: core.submit_structured_output(p))
+                # Shielded: a timeout must not cancel a compile other requests may share.
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)
+            except TimeoutError:
+                raise RequestValueError(
+                    compile_timeout_message(params.structured_outputs.kind, timeout), param
+                ) from None
             except ValueError as exc:
                 raise RequestValueError(str(exc), param) from exc
             break  # n prompts of one request share one constraint
