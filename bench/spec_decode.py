@@ -110,8 +110,8 @@ def main() -> None:
                     rec = json.loads(line[6:])
                     results.setdefault((rec["workload"], setting), []).append(rec)
                     print(json.dumps({k: v for k, v in rec.items() if k != "tokens"}), flush=True)
-    print(f"\n| workload | off tok/s (median) | on tok/s (median) | on / off | "
-          f"acceptance length | tokens identical |")
+    print("\n| workload | off tok/s (median) | on tok/s (median) | on / off | "
+          "acceptance length | tokens identical |")
     print("|---|---|---|---|---|---|")
     for name in workloads:
         off, on = results[(name, "off")], results[(name, "on")]
