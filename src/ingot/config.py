@@ -234,8 +234,6 @@ class StructuredOutputsConfig:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3")
-# Built so far; the others are refused at start-up with a line that says so.
-SPECULATIVE_METHODS_BUILT = ("ngram", "draft_model")
 #: Drafts per step are capped: a verification step runs 1 + k rows per request.
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -256,19 +254,22 @@ class SpeculativeConfig:
     #: Stop speculating (per step) when measured verification steps yield fewer tokens per
     #: second than plain decode steps of the same batch bucket (core/spec_policy.py).
     adaptive: bool = True
-    #: draft_model: the draft's resolved config (set by EngineArgs, not a user key).
+    #: draft_model / eagle3: the draft's resolved config (set by EngineArgs, not a user key).
     draft_model_config: ModelConfig | None = None
+    #: eagle3: the target layers whose inputs the head reads (from the head's config, else
+    #: the original's default (2, N // 2, N - 3); set by EngineArgs).
+    aux_layer_ids: tuple[int, ...] = ()
 
     @property
     def lookahead_slots(self) -> int:
         """KV positions past a step's tokens that the proposer writes after it: a draft model
         computes the token the step sampled and its first k - 1 drafts (n-gram lookup writes
         nothing)."""
-        return self.num_speculative_tokens if self.method == "draft_model" else 0
+        return self.num_speculative_tokens if self.method in ("draft_model", "eagle3") else 0
 
     @classmethod
     def from_dict(cls, value: dict[str, Any]) -> SpeculativeConfig:
-        known = {f.name for f in dataclasses.fields(cls)} - {"draft_model_config"}
+        known = {f.name for f in dataclasses.fields(cls)} - {"draft_model_config", "aux_layer_ids"}
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(
@@ -287,11 +288,6 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative method {method!r} is not supported; use one of "
                 f"{', '.join(SPECULATIVE_METHODS)}"
-            )
-        if method not in SPECULATIVE_METHODS_BUILT:
-            raise ValueError(
-                f"speculative method {method!r} is not available in this ingot yet; use "
-                f"{', '.join(SPECULATIVE_METHODS_BUILT)}"
             )
         k = value.get("num_speculative_tokens")
         if k is None:
@@ -319,11 +315,11 @@ class SpeculativeConfig:
             config.prompt_lookup_min, config.prompt_lookup_max = lo, hi
             if config.model is not None:
                 raise ValueError("speculative method ngram takes no model; drop \"model\"")
-        if method == "draft_model" and not config.model:
-            raise ValueError(
-                'speculative method draft_model needs "model": a local directory or .gguf '
-                "file of a small model with the target's tokenizer"
-            )
+        if method in ("draft_model", "eagle3") and not config.model:
+            what = ("an EAGLE3 head's local directory" if method == "eagle3" else
+                    "a local directory or .gguf file of a small model with the target's "
+                    "tokenizer")
+            raise ValueError(f'speculative method {method} needs "model": {what}')
         tp = config.draft_tensor_parallel_size
         if tp is not None and tp != 1:
             raise ValueError(
@@ -641,10 +637,10 @@ class EngineArgs:
             is_encoder_only=encoder_only,
             enable_prompt_embeds=bool(self.enable_prompt_embeds),
         )
-        if speculative is not None and speculative.method == "draft_model":
+        if speculative is not None and speculative.method in ("draft_model", "eagle3"):
             if self.tensor_parallel_size > 1:
                 raise ValueError(
-                    "speculative method draft_model is not supported with "
+                    f"speculative method {speculative.method} is not supported with "
                     "tensor_parallel_size > 1 yet; use ngram, or --tensor-parallel-size 1"
                 )
             speculative.draft_model_config = _draft_model_config(speculative, model_config)
@@ -886,6 +882,8 @@ def _draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelCo
     """The draft model of ``draft_model`` speculation: the target's dtype and length, and its
     vocabulary (a draft token is a target token id)."""
     assert spec.model is not None
+    if spec.method == "eagle3":
+        return _eagle3_config(spec, target)
     path, fmt = resolve_model_path(spec.model)
     hf_config, _ = _load_hf_config(path, fmt)
     if int(hf_config.vocab_size) != target.vocab_size:
@@ -900,6 +898,50 @@ def _draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelCo
         raise ValueError(f"the draft model {spec.model!r} is a pooling model; use a causal LM")
     return ModelConfig(
         model=path, format=fmt, hf_config=hf_config, dtype=target.dtype,
+        max_model_len=target.max_model_len, tokenizer=path, skip_tokenizer_init=True,
+        seed=target.seed, hf_overrides={}, served_model_name=_default_served_name(path),
+    )
+
+
+def _eagle3_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelConfig:
+    """An EAGLE3 head: one decoder layer over the target's embedding space and hidden
+    states; also fixes the target layers it reads (``spec.aux_layer_ids``)."""
+    from ingot.model_executor.models.eagle3 import default_aux_layers, eagle3_config
+
+    assert spec.model is not None
+    path = str(Path(spec.model).expanduser())
+    if not (Path(path) / "config.json").exists():
+        raise ModelNotFoundError(
+            f"EAGLE3 head {spec.model!r} is not a directory with a config.json (ingot never "
+            "downloads models)"
+        )
+    hf_config = eagle3_config(path)
+    layers = int(getattr(hf_config, "num_hidden_layers", 1))
+    if layers != 1:
+        raise ValueError(f"an EAGLE3 head has exactly one decoder layer; {spec.model!r} has "
+                         f"{layers}")
+    if int(hf_config.vocab_size) != target.vocab_size:
+        raise ValueError(
+            f"the EAGLE3 head {spec.model!r} embeds {hf_config.vocab_size} tokens and the "
+            f"target has {target.vocab_size}; it must be trained for the target"
+        )
+    target_hidden = int(getattr(hf_config, "target_hidden_size", None) or hf_config.hidden_size)
+    if target_hidden != target.hidden_size:
+        raise ValueError(
+            f"the EAGLE3 head {spec.model!r} reads hidden states of width {target_hidden} and "
+            f"the target's are {target.hidden_size}; it must be trained for the target"
+        )
+    n = int(target.hf_config.num_hidden_layers)
+    ids = tuple(getattr(hf_config, "eagle_aux_hidden_state_layer_ids", None) or
+                default_aux_layers(n))
+    if len(ids) != 3 or any(not 0 <= i < n for i in ids):
+        raise ValueError(
+            f"eagle_aux_hidden_state_layer_ids {list(ids)} must be three layer indices of the "
+            f"target's {n} layers"
+        )
+    spec.aux_layer_ids = ids
+    return ModelConfig(
+        model=path, format="hf", hf_config=hf_config, dtype=target.dtype,
         max_model_len=target.max_model_len, tokenizer=path, skip_tokenizer_init=True,
         seed=target.seed, hf_overrides={}, served_model_name=_default_served_name(path),
     )

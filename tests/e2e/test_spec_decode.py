@@ -36,13 +36,30 @@ def dtype(request):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama_dir, dtype):
-    return _run(_engine(tiny_llama_dir, 8, dtype=dtype), _requests())
+def kernel_sized_dir(tmp_path_factory):
+    """head_dim 32: bf16 decode and verification run on ingot's CPU kernels (the default
+    model's path, write-all-rows-first included), not the module path."""
+    from tiny import make_byte_tokenizer, make_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny-llama-hd32")
+    make_tiny_model("llama", path, vocab_size=259, num_attention_heads=2, num_key_value_heads=1)
+    make_byte_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama_dir, kernel_sized_dir, dtype):
+    return tiny_llama_dir if dtype == "float32" else kernel_sized_dir
+
+
+@pytest.fixture(scope="module")
+def reference(target, dtype):
+    return _run(_engine(target, 8, dtype=dtype), _requests())
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
-def test_greedy_identical_with_ngram_speculation(tiny_llama_dir, reference, dtype, k):
-    engine = _engine(tiny_llama_dir, 8, dtype=dtype, speculative_config=_spec(k))
+def test_greedy_identical_with_ngram_speculation(target, reference, dtype, k):
+    engine = _engine(target, 8, dtype=dtype, speculative_config=_spec(k))
     got = _run(engine, _requests())
     assert got == reference
     for rid in ("32", "33"):  # ran to the length cutoff
@@ -131,8 +148,8 @@ def test_prefix_cache_never_shares_rejected_drafts(tiny_llama_dir):
     ({"async_scheduling": True}, "async_scheduling cannot be combined"),
     ({"compile": True}, "not supported with speculative_config"),
     ({"speculative_config": '{"method": "ngram"'}, "not valid JSON"),
-    ({"speculative_config": {"method": "eagle3", "model": "/x",
-                             "num_speculative_tokens": 2}}, "not available"),
+    ({"speculative_config": {"method": "eagle3", "model": "/no/such/head",
+                             "num_speculative_tokens": 2}}, "not a directory with a config"),
     ({"speculative_config": {"method": "draft_model", "num_speculative_tokens": 2}},
      "needs \"model\""),
 ])
@@ -202,19 +219,18 @@ def _draft(path, k: int) -> dict:
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_greedy_identical_with_a_draft_model(tiny_llama_dir, tiny_draft_dir, reference, dtype, k):
-    engine = _engine(tiny_llama_dir, 8, dtype=dtype,
+def test_greedy_identical_with_a_draft_model(target, tiny_draft_dir, reference, dtype, k):
+    engine = _engine(target, 8, dtype=dtype,
                      speculative_config=_draft(tiny_draft_dir, k))
     assert _run(engine, _requests()) == reference
     stats = engine.get_stats()["spec_decode"]
     assert stats.num_drafts > 20 and stats.num_accepted_tokens <= stats.num_draft_tokens
 
 
-def test_the_target_as_its_own_draft_accepts_every_token(tiny_llama_dir, reference, dtype):
+def test_the_target_as_its_own_draft_accepts_every_token(target, reference, dtype):
     """A draft that copies the target: acceptance 1.0, k + 1 tokens per verification."""
     k = 3
-    engine = _engine(tiny_llama_dir, 8, dtype=dtype,
-                     speculative_config=_draft(tiny_llama_dir, k))
+    engine = _engine(target, 8, dtype=dtype, speculative_config=_draft(target, k))
     assert _run(engine, _requests()) == reference
     stats = engine.get_stats()["spec_decode"]
     # Greedy with the same weights: only bf16 rounding between the draft's batched prefill
@@ -231,3 +247,17 @@ def test_draft_with_another_vocabulary_is_refused(tiny_llama_dir, tmp_path):
     with pytest.raises(ValueError, match="vocabulary of 300 tokens"):
         EngineArgs(model=str(tiny_llama_dir),
                    speculative_config=_draft(tmp_path, 2)).create_engine_config()
+
+
+def test_kernel_sized_model_takes_the_cpu_decode_path(kernel_sized_dir):
+    """The bf16 cases above exercise ingot's CPU decode program (when its kernels build)."""
+    from ingot.model_executor.layers.cpu_kernels import load_cpu_kernels
+
+    if load_cpu_kernels() is None:
+        pytest.skip("ingot's CPU kernels need AVX512-BF16 (not on this CPU)")
+
+    def uses_fast_path(worker) -> bool:  # noqa: ANN001
+        return worker.model_runner.model.cpu_decode is not None
+
+    engine = _engine(kernel_sized_dir, 8, dtype="bfloat16")
+    assert engine.collective_rpc(uses_fast_path) == [True]

@@ -84,7 +84,7 @@ def test_config_defaults_and_validation():
          "draft_tensor_parallel_size"),
         ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "unknown"),
         ({"num_speculative_tokens": 2}, "needs a method"),
-        ({"method": "eagle3", "model": "/x", "num_speculative_tokens": 2}, "not available"),
+        ({"method": "eagle3", "num_speculative_tokens": 2}, "needs \"model\""),
     ]
     for value, message in bad:
         with pytest.raises(ValueError, match=message):

@@ -40,6 +40,7 @@ from ingot.model_executor.layers.sampler import (
     compute_prompt_logprobs,
 )
 from ingot.spec_decode.draft_model import DraftModelProposer
+from ingot.spec_decode.eagle3 import Eagle3Proposer, StepRows
 from ingot.spec_decode.ngram import NgramProposer
 from ingot.structured_output.bitmask import apply_grammar_bitmask
 from ingot.worker.cuda_graphs import CaptureFn, DecodeGraphs
@@ -123,7 +124,8 @@ class ModelRunner:
         self.sync_fallback_steps = 0
         self.rejection_sampler = RejectionSampler(self.sampler)
         spec = config.speculative_config
-        self.proposer: NgramProposer | DraftModelProposer | None = None
+        self.proposer: NgramProposer | DraftModelProposer | Eagle3Proposer | None = None
+        self.reads_aux_hidden = False  # EAGLE3: the target's forward leaves aux hidden states
         if spec is not None and spec.method == "ngram":
             assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
             self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max,
@@ -131,9 +133,15 @@ class ModelRunner:
                                           config.model_config.max_model_len)
         elif spec is not None:
             assert draft is not None, "a draft model proposer needs the draft and its cache"
-            self.proposer = DraftModelProposer(draft[0], draft[1], spec.num_speculative_tokens,
-                                               self.block_size,
-                                               config.model_config.max_model_len, device)
+            cls = Eagle3Proposer if spec.method == "eagle3" else DraftModelProposer
+            self.proposer = cls(draft[0], draft[1], spec.num_speculative_tokens,
+                                self.block_size, config.model_config.max_model_len, device)
+            self.reads_aux_hidden = spec.method == "eagle3"
+            if spec.method == "eagle3":
+                # The target leaves the inputs of these layers for the head.
+                model.model.aux_hidden_state_layers = tuple(spec.aux_layer_ids)
+                if draft[0].shares_target_embedding:
+                    draft[0].embed_tokens = model.model.embed_tokens
 
     def capture_decode_graphs(self, capture: CaptureFn | None = None) -> DecodeGraphs:
         """Capture every decode bucket of the grid (largest first, as the later, smaller graphs
@@ -348,7 +356,8 @@ class ModelRunner:
         meta: AttentionMetadata, last_rows: list[int],
     ) -> ModelRunnerOutput:
         hidden = None
-        if self.decode_graphs is not None and meta.is_decode and not meta.rows_share_sequences:
+        if (self.decode_graphs is not None and meta.is_decode and not meta.rows_share_sequences
+                and not self.reads_aux_hidden):  # a graph's replay leaves no aux states
             hidden = self.decode_graphs.replay(input_ids, positions, meta)
         embeds = None
         if so.is_prefill and self.config.model_config.enable_prompt_embeds:
@@ -380,6 +389,7 @@ class ModelRunner:
         if prompt_lp:
             self._prompt_logprobs(hidden, prompt_lp, output)
         if not sample_rows:
+            self._propose(so, last_rows, [], [], [], output)
             return output
         states = [self.requests[r] for r in sample_reqs]
         if any(it.draft_token_ids for it in so.scheduled):
@@ -398,14 +408,37 @@ class ModelRunner:
                     for j in range(len(tokens))
                 ]
             row += len(tokens)
-        if self.proposer is not None and so.propose_drafts:
-            # Not for constrained requests: their drafts would need the grammar's masks too.
-            wanted = [(r, st) for r, st in zip(sample_reqs, states, strict=True)
-                      if st.params.structured_outputs is None]
-            for (req_id, _), drafts in zip(wanted, self.proposer.propose(wanted), strict=True):
-                if drafts:
-                    output.draft_token_ids[req_id] = drafts
+        self._propose(so, last_rows, sample_reqs, states, new_tokens, output)
         return output
+
+    def _propose(
+        self, so: SchedulerOutput, last_rows: list[int], sample_reqs: list[str],
+        states: list[CachedRequestState], new_tokens: list[list[int]], output: ModelRunnerOutput,
+    ) -> None:
+        """Speculative decoding: drafts for the next step, when the scheduler asks for them."""
+        proposer = self.proposer
+        if proposer is None:
+            return
+        # Not for constrained requests: their drafts would need the grammar's masks too.
+        wanted = [(r, st) for r, st in zip(sample_reqs, states, strict=True)
+                  if st.params.structured_outputs is None] if so.propose_drafts else []
+        if isinstance(proposer, Eagle3Proposer):
+            # The head follows every step (its cache must cover each computed position).
+            kept = dict(zip(sample_reqs, (len(t) for t in new_tokens), strict=True))
+            step = [StepRows(it.req_id, self.requests[it.req_id], last - it.num_tokens + 1,
+                             it.start_position,
+                             kept[it.req_id] if it.draft_token_ids else it.num_tokens)
+                    for it, last in zip(so.scheduled, last_rows, strict=True)]
+            aux = self.model.model.aux_hidden_states
+            assert aux is not None, "the target left no auxiliary hidden states"
+            drafts = proposer.propose(wanted, step, aux)
+        elif wanted:
+            drafts = proposer.propose(wanted)
+        else:
+            return
+        for (req_id, _), d in zip(wanted, drafts, strict=True):
+            if d:
+                output.draft_token_ids[req_id] = d
 
     def _sampling_metadata(
         self, states: list[CachedRequestState], outputs: list[list[int]] | None = None

@@ -6,7 +6,7 @@ from typing import Any
 
 from torch import nn
 
-from ingot.model_executor.models import bert, llama
+from ingot.model_executor.models import bert, eagle3, llama
 from ingot.model_executor.models.adapters import as_classification_model
 
 _MODELS: dict[str, type[nn.Module]] = {
@@ -17,6 +17,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": llama.Qwen2ForCausalLM,
     "Qwen3ForCausalLM": llama.Qwen3ForCausalLM,
 }
+for _name in eagle3.EAGLE3_ARCHITECTURES:  # draft heads (speculative_config method eagle3)
+    _MODELS[_name] = eagle3.Eagle3LlamaForCausalLM
 for _name in ("Llama", "Mistral", "Qwen2", "Qwen3"):
     _MODELS[f"{_name}ForSequenceClassification"] = as_classification_model(
         _MODELS[f"{_name}ForCausalLM"]
