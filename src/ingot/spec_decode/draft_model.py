@@ -24,9 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ingot.core.kv_cache_manager import NULL_BLOCK_ID
-from ingot.model_executor.layers.attention import AttentionMetadata
 from ingot.model_executor.layers.sampler import greedy_argmax
+from ingot.spec_decode.metadata import drafter_metadata
 
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
@@ -53,17 +52,8 @@ class DraftModelProposer:
     def _forward(self, ids: list[int], positions: list[int], query_lens: list[int],
                  tables: list[list[int]], is_decode: bool) -> torch.Tensor:
         """Hidden states of the rows; ``tables``: each request's block ids."""
-        bs = self.block_size
-        width = max(len(t) for t in tables)
-        table = torch.full((len(tables), width), NULL_BLOCK_ID, dtype=torch.int64)
-        for row, blocks in enumerate(tables):
-            table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
         pos = torch.tensor(positions, dtype=torch.int64)
-        rows = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
-        slots = table[rows, pos // bs] * bs + pos % bs
-        meta = AttentionMetadata.build(pos.to(self.device), query_lens, slots.to(self.device),
-                                       table.to(self.device), block_size=bs,
-                                       is_decode=is_decode)
+        meta = drafter_metadata(pos, query_lens, tables, self.block_size, self.device, is_decode)
         ids_t = torch.tensor(ids, dtype=torch.int64, device=self.device)
         return self.model(ids_t, pos.to(self.device), self.kv_caches, meta)
 

@@ -24,9 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ingot.core.kv_cache_manager import NULL_BLOCK_ID
-from ingot.model_executor.layers.attention import AttentionMetadata
 from ingot.model_executor.layers.sampler import greedy_argmax
+from ingot.spec_decode.metadata import drafter_metadata
 
 
 @dataclass
@@ -50,19 +49,6 @@ class Eagle3Proposer:
     def remove(self, req_id: str) -> None:  # the head keeps no per-request state
         pass
 
-    def _meta(self, positions: torch.Tensor, query_lens: list[int], tables: list[list[int]],
-              is_decode: bool) -> AttentionMetadata:
-        bs = self.block_size
-        width = max(len(t) for t in tables)
-        table = torch.full((len(tables), width), NULL_BLOCK_ID, dtype=torch.int64)
-        for row, blocks in enumerate(tables):
-            table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
-        rows = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
-        slots = table[rows, positions // bs] * bs + positions % bs
-        return AttentionMetadata.build(positions.to(self.device), query_lens,
-                                       slots.to(self.device), table.to(self.device),
-                                       block_size=bs, is_decode=is_decode)
-
     def _draft(self, normed: torch.Tensor) -> torch.Tensor:
         return self.head.to_target_ids(greedy_argmax(self.head.compute_logits(normed)))
 
@@ -83,8 +69,8 @@ class Eagle3Proposer:
             positions += range(p0, p0 + seg.num_rows)
             rows += range(seg.first_row, seg.first_row + seg.num_rows)
         pos = torch.tensor(positions, dtype=torch.int64)
-        meta = self._meta(pos, [s.num_rows for s in step], [s.state.block_ids for s in step],
-                          is_decode=False)
+        meta = drafter_metadata(pos, [s.num_rows for s in step], [s.state.block_ids for s in step],
+                                self.block_size, self.device, is_decode=False)
         state = aux[torch.tensor(rows, device=aux.device)]
         normed, prenorm = self.head(torch.tensor(ids, dtype=torch.int64, device=self.device),
                                     pos.to(self.device), self.kv_caches, meta, state)
@@ -109,8 +95,8 @@ class Eagle3Proposer:
             tokens, state = tokens[keep], state[keep]
             pos = torch.tensor([seg.first_position + seg.num_rows - 1 + j for _, seg, _ in live],
                                dtype=torch.int64)
-            meta = self._meta(pos, [1] * len(live), [seg.state.block_ids for _, seg, _ in live],
-                              is_decode=True)
+            meta = drafter_metadata(pos, [1] * len(live), [seg.state.block_ids for _, seg, _ in live],
+                                    self.block_size, self.device, is_decode=True)
             normed, state = self.head(tokens, pos.to(self.device), self.kv_caches, meta, state)
             tokens = self._draft(normed)
             for (i, _, _), t in zip(live, tokens.tolist(), strict=True):
