@@ -73,8 +73,28 @@ def set_tp_group(group: GroupCoordinator | None) -> None:
     _local.tp = group
 
 
+# Expert parallelism (spec §3) re-reads the TP group for the MoE layers: its degree decides
+# which experts a rank holds. Process-wide (the worker sets it), with a per-thread override.
+_EP_SIZE = 1
+
+
+def get_ep_size() -> int:
+    override = getattr(_local, "ep", None)
+    return override if override is not None else _EP_SIZE
+
+
+def set_ep_size(size: int | None, this_thread_only: bool = False) -> None:
+    """The EP degree MoE layers are built with (1 or None: no EP, experts split by TP)."""
+    global _EP_SIZE
+    if this_thread_only:
+        _local.ep = size
+    else:
+        _EP_SIZE = size or 1
+
+
 def destroy_distributed() -> None:
-    global _TP, _WORLD
+    global _TP, _WORLD, _EP_SIZE
     _TP = _WORLD = None
+    _EP_SIZE = 1
     if dist.is_initialized():
         dist.destroy_process_group()
