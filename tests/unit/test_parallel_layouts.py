@@ -98,6 +98,9 @@ MOE = SimpleNamespace(num_attention_heads=8, num_key_value_heads=4, intermediate
      SimpleNamespace(num_attention_heads=8, num_key_value_heads=4, intermediate_size=64,
                      num_experts=6), "does not divide the model's 6 experts"),
     (ParallelSizes(enable_expert_parallel=True), DENSE, "needs a mixture-of-experts model"),
+    (ParallelSizes(tensor_parallel_size=4),
+     SimpleNamespace(num_attention_heads=8, num_key_value_heads=4, intermediate_size=64,
+                     num_experts=8, moe_intermediate_size=6), "moe_intermediate_size"),
     # Valid requests for what is not built yet: refused, never ignored.
     (ParallelSizes(data_parallel_size=2), DENSE, "data_parallel_size > 1 is not supported yet"),
     (ParallelSizes(pipeline_parallel_size=2), DENSE, "pipeline_parallel_size"),

@@ -113,6 +113,16 @@ def validate_parallel_sizes(sizes: ParallelSizes, hf_config: object) -> None:
                 f"tensor_parallel_size {tp} does not divide the model's intermediate_size "
                 f"({inter}); choose another --tensor-parallel-size"
             )
+        # The experts' intermediate dim splits over the ranks of one EP partition (all of
+        # the TP group without EP).
+        moe_inter = getattr(hf_config, "moe_intermediate_size", None)
+        shards = tp // (sizes.ep_degree or tp) if sizes.enable_expert_parallel else tp
+        if isinstance(moe_inter, int) and shards > 1 and moe_inter % shards:
+            raise ValueError(
+                f"the model's moe_intermediate_size ({moe_inter}) does not split over {shards} "
+                "ranks (tensor_parallel_size / ep_degree); choose another "
+                "--tensor-parallel-size or ep_degree"
+            )
     ep = sizes.ep_degree
     if ep is not None:
         if not sizes.enable_expert_parallel:
