@@ -156,6 +156,8 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    #: Expert-parallel degree of the MoE layers (1: experts split by TP; spec §3).
+    ep_degree: int = 1
 
     @property
     def world_size(self) -> int:
@@ -663,8 +665,12 @@ class EngineArgs:
                 max_num_prefills_per_step=prefills,
                 async_scheduling=self._async_scheduling(runner, speculative),
             ),
-            parallel_config=ParallelConfig(distributed_executor_backend=backend,
-                                           tensor_parallel_size=tp),
+            parallel_config=ParallelConfig(
+                distributed_executor_backend=backend, tensor_parallel_size=tp,
+                enable_expert_parallel=bool(self.enable_expert_parallel),
+                # Default ep_degree: the world (TP x DP, DP being 1 so far).
+                ep_degree=(additional_config.get("ep_degree") or tp)
+                if self.enable_expert_parallel else 1),
             device=platform.name,
             additional_config=additional_config,
             buckets=buckets,

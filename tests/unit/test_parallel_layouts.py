@@ -104,8 +104,6 @@ MOE = SimpleNamespace(num_attention_heads=8, num_key_value_heads=4, intermediate
     # Valid requests for what is not built yet: refused, never ignored.
     (ParallelSizes(data_parallel_size=2), DENSE, "data_parallel_size > 1 is not supported yet"),
     (ParallelSizes(pipeline_parallel_size=2), DENSE, "pipeline_parallel_size"),
-    (ParallelSizes(tensor_parallel_size=2, enable_expert_parallel=True), MOE,
-     "--enable-expert-parallel is not supported yet"),
 ])
 def test_validation_names_the_flag(sizes, hf, match):
     with pytest.raises(ValueError, match=match):
@@ -115,6 +113,11 @@ def test_validation_names_the_flag(sizes, hf, match):
 def test_valid_tensor_parallel_sizes_pass():
     validate_parallel_sizes(ParallelSizes(tensor_parallel_size=2), DENSE)
     validate_parallel_sizes(ParallelSizes(tensor_parallel_size=8), DENSE)  # KV replicated
+    # Expert parallelism over the TP group (DP 1): full, and ep_degree 2 inside TP 4.
+    validate_parallel_sizes(ParallelSizes(tensor_parallel_size=2, enable_expert_parallel=True),
+                            MOE)
+    validate_parallel_sizes(ParallelSizes(tensor_parallel_size=4, enable_expert_parallel=True,
+                                          ep_degree=2), MOE)
 
 
 def _args(path, **kw) -> EngineArgs:
