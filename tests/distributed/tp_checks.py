@@ -240,6 +240,17 @@ def moe(group: GroupCoordinator, ep_size: int = 1) -> None:
         if ep_size == 1:
             # down shards concatenate back along the intermediate dim
             _close(group.all_gather(layer.w2.data, dim=2), ref.w2.data, "down shards")
+        # HF 5's fused [E, 2I, H] / [E, H, I] tensors load to the same shards.
+        fused = _build(lambda: FusedMoE(experts, 2, hidden, inter, True, ep_size=ep_size), group)
+        _load_from(fused, ref)
+        assert torch.equal(fused.w13, layer.w13) and torch.equal(fused.w2, layer.w2)
+        if shards > 1:
+            # Deliberately broken: every rank of a partition loading intermediate shard 0.
+            blind = _build(lambda: FusedMoE(experts, 2, hidden, inter, True, ep_size=ep_size),
+                           group)
+            blind.shard_index = 0
+            _load_from(blind, ref)
+            assert (blind(x) - ref(x)).abs().max() > 1e-3, "a rank-blind expert loader passed"
         if ep_size == w and w > 1:
             only_rank0 = torch.randint(0, local_e, ids.shape,
                                        generator=torch.Generator().manual_seed(15))

@@ -17,7 +17,12 @@ from test_tiny_models_vs_hf import ATOL, PROMPT, _compare_prefill_and_decode
 from tiny import hf_model, make_tiny_model
 
 from ingot import LLM, SamplingParams
-from ingot.model_executor.layers.fused_moe import FusedMoE, route
+from ingot.model_executor.layers.fused_moe import (
+    FusedMoE,
+    expert_parallel_weight_loader,
+    route,
+)
+from ingot.model_executor.layers.linear import sharding_weight_loader
 
 MOE_CASES = {
     "qwen3_moe": ("qwen3_moe", {}),  # norm_topk_prob, layer 1 dense (mlp_only_layers)
@@ -166,3 +171,15 @@ def test_compile_is_refused_for_moe_models(tmp_path):
     with pytest.raises(ValueError, match="drop --compile"):
         EngineArgs(model=str(path), dtype="float32", skip_tokenizer_init=True,
                    compile=True).create_engine_config()
+
+
+def test_expert_parallel_loader_selects_experts_then_the_tp_shard():
+    """Spec §3's loader composition, a pure function: experts 4..7 of 8, then TP shard 1 of 2
+    of the intermediate dim, taken from the selected experts."""
+    full = torch.arange(8 * 6 * 2, dtype=torch.float32).reshape(8, 6, 2)
+    param = torch.nn.Parameter(torch.empty(4, 3, 2), requires_grad=False)
+    load = expert_parallel_weight_loader(range(4, 8), sharding_weight_loader(1, 1, 2))
+    load(param, full)
+    assert torch.equal(param.data, full[4:8, 3:6])
+    with pytest.raises(ValueError, match="no experts 4..7"):
+        load(param, full[:6])

@@ -19,6 +19,9 @@ partials alike.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -26,7 +29,11 @@ from torch.nn import functional as F
 from ingot.distributed.group import GroupCoordinator
 from ingot.distributed.layouts import ep_rank_of, local_expert_range
 from ingot.distributed.parallel_state import get_tp_group
-from ingot.model_executor.layers.linear import ReplicatedLinear, shard_of
+from ingot.model_executor.layers.linear import (
+    ReplicatedLinear,
+    shard_of,
+    sharding_weight_loader,
+)
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
@@ -48,6 +55,22 @@ def expert_parallel_placement(num_experts: int, tp_size: int, tp_rank: int, ep_s
     ep_rank = ep_rank_of(tp_rank, tp_size, ep_size)
     shards = tp_size // ep_size
     return local_expert_range(num_experts, ep_size, ep_rank), tp_rank % shards, shards
+
+
+def expert_parallel_weight_loader(local_experts: range, loader: Callable[..., None],
+                                  expert_dim: int = 0) -> Callable[..., None]:
+    """Wrap ``loader(param, tensor, *rest)`` so that it sees only this rank's experts: the
+    rows ``local_experts`` of a stacked checkpoint tensor along ``expert_dim`` (spec §3). The
+    wrapped loader's own shard (TP) is then taken from those rows, i.e. after the EP
+    selection."""
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, *rest: Any) -> None:
+        if loaded.shape[expert_dim] < local_experts.stop:
+            raise ValueError(f"stacked expert tensor of shape {tuple(loaded.shape)} has no "
+                             f"experts {local_experts.start}..{local_experts.stop - 1}")
+        loader(param, loaded.narrow(expert_dim, local_experts.start, len(local_experts)), *rest)
+
+    return load
 
 
 class FusedMoE(nn.Module):
@@ -92,10 +115,7 @@ class FusedMoE(nn.Module):
             if loaded.shape != (self.num_experts, full, self.hidden_size):
                 raise ValueError(f"fused gate-up tensor has shape {tuple(loaded.shape)}, "
                                  f"expected {(self.num_experts, full, self.hidden_size)}")
-            for e in range(self.num_experts):
-                gate, up = loaded[e].split(self.intermediate_size, dim=0)
-                self._load_w13(param, gate, 0, e)
-                self._load_w13(param, up, 1, e)
+            self._ep_loader(self._load_stacked_w13)(param, loaded)
             return
         local = self._local(expert_id)
         if local is None:
@@ -111,9 +131,12 @@ class FusedMoE(nn.Module):
     def _load_w2(self, param: nn.Parameter, loaded: torch.Tensor,
                  shard_id: int | None = None, expert_id: int | None = None) -> None:
         """Per-expert down [H, I]; or HF's fused [E, H, I]."""
-        if expert_id is None:
-            for e in range(self.num_experts):
-                self._load_w2(param, loaded[e], 2, e)
+        if expert_id is None:  # fused [E, H, I]: the local experts, then the TP shard of I
+            if loaded.shape != (self.num_experts, self.hidden_size, self.intermediate_size):
+                raise ValueError(f"fused down tensor has shape {tuple(loaded.shape)}, expected "
+                                 f"{(self.num_experts, self.hidden_size, self.intermediate_size)}")
+            self._ep_loader(sharding_weight_loader(2, self.shard_index, self.num_shards))(
+                param, loaded)
             return
         local = self._local(expert_id)
         if local is None:
@@ -122,6 +145,16 @@ class FusedMoE(nn.Module):
             raise ValueError(f"expert {expert_id} down tensor has shape {tuple(loaded.shape)}, "
                              f"expected {(self.hidden_size, self.intermediate_size)}")
         param.data[local].copy_(shard_of(loaded, 1, self.shard_index, self.num_shards))
+
+    def _ep_loader(self, loader: Callable[..., None]) -> Callable[..., None]:
+        experts = range(self.expert_start, self.expert_start + self.num_local_experts)
+        return expert_parallel_weight_loader(experts, loader, expert_dim=0)
+
+    def _load_stacked_w13(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """[E_L, 2I, H] of the local experts: the TP shard of the gate and of the up rows."""
+        gate, up = loaded.split(self.intermediate_size, dim=1)
+        param.data.copy_(torch.cat([shard_of(gate, 1, self.shard_index, self.num_shards),
+                                    shard_of(up, 1, self.shard_index, self.num_shards)], dim=1))
 
     # ---- forward ------------------------------------------------------------------------------
 
