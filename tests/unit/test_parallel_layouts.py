@@ -101,6 +101,12 @@ MOE = SimpleNamespace(num_attention_heads=8, num_key_value_heads=4, intermediate
     (ParallelSizes(tensor_parallel_size=4),
      SimpleNamespace(num_attention_heads=8, num_key_value_heads=4, intermediate_size=64,
                      num_experts=8, moe_intermediate_size=6), "moe_intermediate_size"),
+    (ParallelSizes(tensor_parallel_size=4, enable_expert_parallel=True, ep_degree=2),
+     SimpleNamespace(num_attention_heads=8, num_key_value_heads=4, intermediate_size=64,
+                     num_experts=8, moe_intermediate_size=5), "over 2 ranks"),
+    (ParallelSizes(tensor_parallel_size=4),  # Mixtral: intermediate_size is the experts'
+     SimpleNamespace(num_attention_heads=8, num_key_value_heads=4, intermediate_size=6,
+                     num_local_experts=8), "intermediate_size \\(6\\) does not split over 4"),
     # Valid requests for what is not built yet: refused, never ignored.
     (ParallelSizes(data_parallel_size=2), DENSE, "data_parallel_size > 1 is not supported yet"),
     (ParallelSizes(pipeline_parallel_size=2), DENSE, "pipeline_parallel_size"),
@@ -118,6 +124,10 @@ def test_valid_tensor_parallel_sizes_pass():
                             MOE)
     validate_parallel_sizes(ParallelSizes(tensor_parallel_size=4, enable_expert_parallel=True,
                                           ep_degree=2), MOE)
+    # Full EP: whole experts per rank, so the experts' width need not divide TP.
+    validate_parallel_sizes(ParallelSizes(tensor_parallel_size=4, enable_expert_parallel=True),
+                            SimpleNamespace(num_attention_heads=8, num_key_value_heads=4,
+                                            intermediate_size=6, num_local_experts=8))
 
 
 def _args(path, **kw) -> EngineArgs:

@@ -108,20 +108,26 @@ def validate_parallel_sizes(sizes: ParallelSizes, hf_config: object) -> None:
                 "--tensor-parallel-size"
             )
         inter = getattr(hf_config, "intermediate_size", None)
+        moe_name = "moe_intermediate_size"
+        moe_inter = getattr(hf_config, moe_name, None)
+        if _num_experts(hf_config) is not None and moe_inter is None:
+            # Mixtral: intermediate_size is the experts' (there are no dense layers).
+            moe_name, moe_inter, inter = "intermediate_size", inter, None
         if inter is not None and inter % tp:
             raise ValueError(
                 f"tensor_parallel_size {tp} does not divide the model's intermediate_size "
                 f"({inter}); choose another --tensor-parallel-size"
             )
         # The experts' intermediate dim splits over the ranks of one EP partition (all of
-        # the TP group without EP).
-        moe_inter = getattr(hf_config, "moe_intermediate_size", None)
-        shards = tp // (sizes.ep_degree or tp) if sizes.enable_expert_parallel else tp
+        # the TP group without EP; an ep_degree that does not divide TP is reported below).
+        ep_deg = (sizes.ep_degree or tp) if sizes.enable_expert_parallel else 1
+        shards = tp // ep_deg if isinstance(ep_deg, int) and ep_deg > 0 and tp % ep_deg == 0 \
+            else 1
         if isinstance(moe_inter, int) and shards > 1 and moe_inter % shards:
             raise ValueError(
-                f"the model's moe_intermediate_size ({moe_inter}) does not split over {shards} "
-                "ranks (tensor_parallel_size / ep_degree); choose another "
-                "--tensor-parallel-size or ep_degree"
+                f"the model's {moe_name} ({moe_inter}) does not split over {shards} ranks "
+                "(tensor_parallel_size / ep_degree); choose another --tensor-parallel-size "
+                "or ep_degree"
             )
     ep = sizes.ep_degree
     if ep is not None:
