@@ -183,3 +183,95 @@ def test_expert_parallel_loader_selects_experts_then_the_tp_shard():
     assert torch.equal(param.data, full[4:8, 3:6])
     with pytest.raises(ValueError, match="no experts 4..7"):
         load(param, full[:6])
+
+
+# ---- GGUF (llama.cpp's qwen3moe layout) ---------------------------------------------------------
+
+_TO_GGUF = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
+}
+
+
+def _write_qwen3moe_gguf(hf, path) -> None:
+    """What llama.cpp's converter writes for a Qwen3-MoE: F32 tensors, each layer's experts
+    stacked into ffn_{gate,up,down}_exps [E, ...]."""
+    import re
+
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    c = hf.config
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    w.add_expert_count(c.num_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    # A plain BPE vocabulary (for `ingot convert`, which writes the tokenizer too).
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(c.vocab_size - 3)])
+    w.add_token_types([3, 3, 3] + [1] * (c.vocab_size - 3))
+    w.add_token_merges([])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    state = load_file(str(path.parent / "model.safetensors"))
+    experts: dict[str, list] = {}
+    for name, t in state.items():
+        if m := re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)_proj\.weight",
+                             name):
+            experts.setdefault(f"blk.{m[1]}.ffn_{m[3]}_exps.weight", []).append((int(m[2]), t))
+            continue
+        if name.startswith("model.layers."):
+            _, _, layer, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            gname = f"blk.{layer}.{_TO_GGUF[module]}.{kind}"
+        else:
+            gname = {"model.embed_tokens.weight": "token_embd.weight",
+                     "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}[name]
+        w.add_tensor(gname, np.ascontiguousarray(t.float().numpy()))
+    for gname, parts in experts.items():
+        stacked = torch.stack([t for _, t in sorted(parts, key=lambda p: p[0])])
+        w.add_tensor(gname, np.ascontiguousarray(stacked.float().numpy()))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_qwen3moe_gguf_matches_hf(tmp_path):
+    """A qwen3moe GGUF (stacked experts, the dense layer without them) loads as the HF
+    model: the config's experts and dense layers, and the logits."""
+    path = make_tiny_model("qwen3_moe", tmp_path)
+    hf = hf_model(path)
+    gguf_path = tmp_path / "tiny-qwen3moe.gguf"
+    _write_qwen3moe_gguf(hf, gguf_path)
+    harness = PagedHarness(gguf_path)
+    cfg = harness.hf_config
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+            cfg.mlp_only_layers, cfg.norm_topk_prob) == (4, 2, 32, [1], True)
+    steps = list(harness.step([(0, PROMPT, 0)]))
+    torch.testing.assert_close(steps[0], hf_logits(hf, PROMPT), atol=ATOL, rtol=0)
+    # `ingot convert`: the per-expert HF checkpoint that transformers itself loads.
+    from ingot.model_executor.loader.gguf_loader import convert_gguf_to_hf
+
+    out = tmp_path / "converted"
+    out.mkdir()
+    converted = hf_model(convert_gguf_to_hf(gguf_path, out))
+    torch.testing.assert_close(hf_logits(converted, PROMPT), hf_logits(hf, PROMPT), atol=ATOL,
+                               rtol=0)
