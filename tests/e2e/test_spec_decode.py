@@ -218,7 +218,7 @@ def _draft(path, k: int) -> dict:
             "adaptive": False}
 
 
-@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_identical_with_a_draft_model(target, tiny_draft_dir, reference, dtype, k):
     engine = _engine(target, 8, dtype=dtype,
                      speculative_config=_draft(tiny_draft_dir, k))
@@ -261,3 +261,25 @@ def test_kernel_sized_model_takes_the_cpu_decode_path(kernel_sized_dir):
 
     engine = _engine(kernel_sized_dir, 8, dtype="bfloat16")
     assert engine.collective_rpc(uses_fast_path) == [True]
+
+
+def test_logprobs_and_seeded_sampling_with_speculation(tiny_llama_dir):
+    """Greedy logprobs are the plain engine's (one entry per token, drafts included); a
+    seeded random request runs (its draws differ from plain decoding's order) and repeats."""
+    rng = random.Random(11)
+    prompt = {"prompt_token_ids": [rng.randrange(3, 259) for _ in range(30)]}
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+    ref = LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=256)
+    want = ref.generate([prompt], greedy)[0].outputs[0]
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=256,
+              speculative_config=_spec(3))
+    got = llm.generate([prompt], greedy)[0].outputs[0]
+    assert got.token_ids == want.token_ids and len(got.logprobs) == len(want.logprobs)
+    for a, b in zip(got.logprobs, want.logprobs, strict=True):
+        assert a.keys() == b.keys()
+        assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+    assert llm.llm_engine.get_stats()["spec_decode"].num_accepted_tokens > 0
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=40, ignore_eos=True, seed=3)
+    first = llm.generate([prompt], seeded)[0].outputs[0].token_ids
+    assert llm.generate([prompt], seeded)[0].outputs[0].token_ids == first
+    assert len(first) == 40

@@ -54,6 +54,27 @@ def test_gemv_tolerance_catches_a_dropped_k_chunk():
 
 
 @needs_kernel
+@pytest.mark.parametrize(("k", "n"), [(576, 960), (70, 100), (1536, 13)])
+def test_gemv_rows_are_the_same_whatever_the_row_count(k, n):
+    """Speculative decoding's bit-exact greedy rests on this: a verification step computes
+    1 + d rows per request with the GEMV, a plain decode step one; each row must come out the
+    same bit for bit (rows are taken in pairs and singly). oneDNN's rounding differs from the
+    GEMV's, so the two kernels must not be mixed for the same step kind (broken twin)."""
+    torch.manual_seed(4)
+    x = torch.randn(7, k).to(torch.bfloat16)
+    w = torch.randn(n, k).to(torch.bfloat16)
+    b = torch.randn(n)
+    packed = cpu_kernels.pack_gemv_weight(w)
+    together = cpu_kernels.gemv_bf16(fn, x, packed, n, b)
+    alone = torch.cat([cpu_kernels.gemv_bf16(fn, x[i : i + 1], packed, n, b) for i in range(7)])
+    assert torch.equal(together, alone)
+    if k == 576:  # the default model's width: oneDNN rounds differently there
+        onednn = torch.ops.mkldnn._linear_pointwise(
+            x, torch.ops.mkldnn._reorder_linear_weight(w), None, "none", [], "")
+        assert not torch.equal(onednn, cpu_kernels.gemv_bf16(fn, x, packed, n))
+
+
+@needs_kernel
 def test_packed_linear_uses_the_kernel_for_single_rows_only():
     torch.manual_seed(2)
     layer = ReplicatedLinear(64, 48, bias=True).to(torch.bfloat16)

@@ -94,7 +94,37 @@ void ingot_gemv_bf16(const uint16_t *x, const uint16_t *wb, const float *bias, u
         const uint16_t *blk = wb + nb * GEMV_ROWS * Kp;
         int64_t rows = N - nb * GEMV_ROWS;
         if (rows > GEMV_ROWS) rows = GEMV_ROWS;
-        for (int64_t m = 0; m < M; m++) {
+        int64_t m = 0;
+        /* Two rows at a time (a verification step of speculative decoding has 1 + k rows per
+           request): each weight vector is loaded once for both, halving the loads that bound
+           the multi-row case. Each output keeps its own accumulation order, so every row's
+           result is the same as in a one-row call. */
+        for (; m + 1 < M; m += 2) {
+            const uint16_t *x0 = x + m * K, *x1 = x0 + K;
+            __m512 a0[GEMV_ROWS], a1[GEMV_ROWS];
+            for (int r = 0; r < GEMV_ROWS; r++) a0[r] = a1[r] = _mm512_setzero_ps();
+            for (int64_t k = 0; k < Kp; k += 32) {
+                const __mmask32 mk = k + 32 <= K ? 0xffffffffu : tmask;
+                __m512bh v0 = (__m512bh)_mm512_maskz_loadu_epi16(mk, x0 + k);
+                __m512bh v1 = (__m512bh)_mm512_maskz_loadu_epi16(mk, x1 + k);
+                const uint16_t *wk = blk + k * GEMV_ROWS;
+                if (m == 0)
+                    for (int r = 0; r < GEMV_ROWS; r++)
+                        _mm_prefetch((const char *)(wk + r * 32) + GEMV_PREFETCH_BYTES, _MM_HINT_T0);
+                for (int r = 0; r < GEMV_ROWS; r++) {
+                    const __m512bh w = (__m512bh)_mm512_loadu_si512((const void *)(wk + r * 32));
+                    a0[r] = _mm512_dpbf16_ps(a0[r], w, v0);
+                    a1[r] = _mm512_dpbf16_ps(a1[r], w, v1);
+                }
+            }
+            for (int r = 0; r < rows; r++) {
+                float s0 = _mm512_reduce_add_ps(a0[r]), s1 = _mm512_reduce_add_ps(a1[r]);
+                if (bias) s0 += bias[nb * GEMV_ROWS + r], s1 += bias[nb * GEMV_ROWS + r];
+                y[m * N + nb * GEMV_ROWS + r] = to_bf16(s0);
+                y[(m + 1) * N + nb * GEMV_ROWS + r] = to_bf16(s1);
+            }
+        }
+        for (; m < M; m++) {
             const uint16_t *xm = x + m * K;
             __m512 acc[GEMV_ROWS];
             for (int r = 0; r < GEMV_ROWS; r++) acc[r] = _mm512_setzero_ps();
