@@ -810,7 +810,7 @@ class EngineArgs:
             # As vLLM: graphs unless --enforce-eager, whether or not the layers are compiled.
             # Decode graphs only: a pooling runner never decodes.
             cuda_graphs=platform_name == "cuda" and not self.enforce_eager and buckets.enabled
-            and runner != "pooling" and tp == 1,
+            and runner != "pooling" and tp == 1 and not model_eager_only,  # (host syncs)
         )
 
     def _pooling(

@@ -275,3 +275,18 @@ def test_qwen3moe_gguf_matches_hf(tmp_path):
     converted = hf_model(convert_gguf_to_hf(gguf_path, out))
     torch.testing.assert_close(hf_logits(converted, PROMPT), hf_logits(hf, PROMPT), atol=ATOL,
                                rtol=0)
+
+
+def test_moe_models_run_eagerly_without_cuda_graphs_on_cuda(tmp_path):
+    """The expert grouping syncs with the host (per-expert token counts), which neither a
+    full-graph compile nor a CUDA graph capture can take: on CUDA both are off for MoE."""
+    from ingot.config import EngineArgs
+    from ingot.model_executor.models.moe import MixtralForCausalLM
+
+    path = make_tiny_model("mixtral", tmp_path)
+    args = EngineArgs(model=str(path), dtype="float32", skip_tokenizer_init=True)
+    buckets = args.create_engine_config().buckets
+    moe = args._compilation_config("cuda", buckets, model_eager_only=MixtralForCausalLM.eager_only)
+    dense = args._compilation_config("cuda", buckets)
+    assert (moe.enabled, moe.cuda_graphs) == (False, False)
+    assert (dense.enabled, dense.cuda_graphs) == (True, True)  # the control
