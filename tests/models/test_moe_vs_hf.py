@@ -45,6 +45,17 @@ def test_moe_prefill_and_decode_logits_match_hf(tiny_moe):
     assert _compare_prefill_and_decode(path, hf) < ATOL
 
 
+def test_moe_chunked_prefill_beside_other_request_matches_hf(tiny_moe):
+    """Tokens of two requests share the expert matmuls; each still gets its own result."""
+    path, hf = tiny_moe
+    other = [9, 8, 7, 6, 5, 4, 3]
+    h = PagedHarness(path)
+    a1, b1 = h.step([(0, PROMPT[:5], 0), (1, other, 0)])
+    (a2,) = h.step([(0, PROMPT[5:], 5)])
+    torch.testing.assert_close(torch.cat([a1, a2]), hf_logits(hf, PROMPT), atol=ATOL, rtol=0)
+    torch.testing.assert_close(b1, hf_logits(hf, other), atol=ATOL, rtol=0)
+
+
 def test_moe_layers_are_sparse_where_the_config_says(tiny_moe):
     path, hf = tiny_moe
     model = PagedHarness(path).model
