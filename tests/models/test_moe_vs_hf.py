@@ -89,6 +89,17 @@ def test_hf5_fused_expert_layout_loads(tmp_path):
     torch.testing.assert_close(logits, hf_logits(hf, PROMPT), atol=ATOL, rtol=0)
 
 
+def test_a_missing_expert_tensor_is_an_error(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = make_tiny_model("mixtral", tmp_path)
+    state = load_file(str(path / "model.safetensors"))
+    del state["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp: \[\(2, 'up'\)\]"):
+        PagedHarness(path)
+
+
 def test_routing_without_renormalisation_fails_the_comparison(tmp_path):
     """The gate can fail: Qwen3-MoE with norm_topk_prob=True read as False is caught."""
     path = make_tiny_model("qwen3_moe", tmp_path)

@@ -74,6 +74,9 @@ def expert_parallel_weight_loader(local_experts: range, loader: Callable[..., No
 
 
 class FusedMoE(nn.Module):
+    """Router + this rank's experts (see the module docstring for the layouts); forward
+    returns the full MoE output on every rank."""
+
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  renormalize: bool, tp_group: GroupCoordinator | None = None,
                  ep_size: int = 1) -> None:
@@ -100,10 +103,23 @@ class FusedMoE(nn.Module):
                                requires_grad=False)
         self.w13.weight_loader = self._load_w13
         self.w2.weight_loader = self._load_w2
+        # (expert, shard id) pieces seen by the loaders, every expert's (the model loader
+        # marks a stacked parameter loaded at its first piece, so completeness is checked here).
+        self.loaded_pieces: set[tuple[int, int]] = set()
+
+    def missing_pieces(self) -> list[tuple[int, str]]:
+        """(expert, projection) pairs no checkpoint tensor has filled."""
+        names = ("gate", "up", "down")
+        return [(e, names[s]) for e in range(self.num_experts) for s in range(3)
+                if (e, s) not in self.loaded_pieces]
 
     # ---- loading ------------------------------------------------------------------------------
 
     def _local(self, expert_id: int) -> int | None:
+        """The expert's index on this rank, None when another EP partition holds it."""
+        if not 0 <= expert_id < self.num_experts:
+            raise ValueError(f"checkpoint has expert {expert_id}; the model has "
+                             f"{self.num_experts} experts")
         local = expert_id - self.expert_start
         return local if 0 <= local < self.num_local_experts else None
 
@@ -116,7 +132,9 @@ class FusedMoE(nn.Module):
                 raise ValueError(f"fused gate-up tensor has shape {tuple(loaded.shape)}, "
                                  f"expected {(self.num_experts, full, self.hidden_size)}")
             self._ep_loader(self._load_stacked_w13)(param, loaded)
+            self.loaded_pieces.update((e, s) for e in range(self.num_experts) for s in (0, 1))
             return
+        self.loaded_pieces.add((expert_id, int(shard_id)))
         local = self._local(expert_id)
         if local is None:
             return  # another EP partition's expert
@@ -137,7 +155,9 @@ class FusedMoE(nn.Module):
                                  f"{(self.num_experts, self.hidden_size, self.intermediate_size)}")
             self._ep_loader(sharding_weight_loader(2, self.shard_index, self.num_shards))(
                 param, loaded)
+            self.loaded_pieces.update((e, 2) for e in range(self.num_experts))
             return
+        self.loaded_pieces.add((expert_id, 2))
         local = self._local(expert_id)
         if local is None:
             return

@@ -9,7 +9,7 @@ tensors land in the stacked weights through their ``weight_loader(param, t, shar
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -38,6 +38,14 @@ class _MoEMixin:
 
     def enable_cpu_decode(self) -> bool:
         return False
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded = super().load_weights(weights)  # type: ignore[misc]
+        for name, module in self.named_modules():  # type: ignore[attr-defined]
+            if isinstance(module, FusedMoE) and (missing := module.missing_pieces()):
+                raise ValueError(f"checkpoint is missing expert tensors of {name}: "
+                                 f"{missing[:8]} (expert, projection)")
+        return loaded
 
     def _load_expert_weight(
         self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor
