@@ -9,6 +9,9 @@ is built. QKV, gate-up and the LM head are column-parallel, O and down row-paral
 all-reduce each), the embedding vocab-parallel; norms and RoPE are replicated. A rank holds
 num_heads/TP query heads and its share of the KV heads (one, replicated, when TP > KV heads).
 With one rank these are the plain layers.
+
+The MoE models (moe.py: Qwen3-MoE, Mixtral) are subclasses that give their sparse layers another
+feed-forward block (``_mlp_factory``) and load their expert tensors (``_load_expert_weight``).
 """
 
 from __future__ import annotations
@@ -352,7 +355,7 @@ class LlamaForCausalLM(nn.Module):
         return loaded
 
 
-    #: (checkpoint name fragment, ours) applied before anything else (Mixtral's MoE block).
+    #: (checkpoint name fragment, ours) applied before a name is matched (Mixtral's MoE block).
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
 
     def _load_expert_weight(
