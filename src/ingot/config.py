@@ -156,6 +156,8 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    #: Expert-parallel degree of the MoE layers (1: experts split by TP; spec §3).
+    ep_degree: int = 1
 
     @property
     def world_size(self) -> int:
@@ -583,7 +585,8 @@ class EngineArgs:
         tp = self._parallel_sizes(hf_config, additional_config, model_cls, runner)
         speculative = self._speculative_config(runner)
         compilation = self._compilation_config(platform.name, buckets, runner, encoder_only,
-                                               speculative is not None, tp)
+                                               speculative is not None, tp,
+                                               getattr(model_cls, "eager_only", None))
         prefills = self._max_prefills(additional_config, compilation)
         backend = self.distributed_executor_backend or ("mp" if tp > 1 else "uni")
         if backend not in EXECUTOR_BACKENDS:
@@ -662,8 +665,12 @@ class EngineArgs:
                 max_num_prefills_per_step=prefills,
                 async_scheduling=self._async_scheduling(runner, speculative),
             ),
-            parallel_config=ParallelConfig(distributed_executor_backend=backend,
-                                           tensor_parallel_size=tp),
+            parallel_config=ParallelConfig(
+                distributed_executor_backend=backend, tensor_parallel_size=tp,
+                enable_expert_parallel=bool(self.enable_expert_parallel),
+                # Default ep_degree: the world (TP x DP, DP being 1 so far).
+                ep_degree=(additional_config.get("ep_degree") or tp)
+                if self.enable_expert_parallel else 1),
             device=platform.name,
             additional_config=additional_config,
             buckets=buckets,
@@ -753,7 +760,9 @@ class EngineArgs:
     def _compilation_config(
         self, platform_name: str, buckets: BucketGrid, runner: str = "generate",
         encoder_only: bool = False, speculative: bool = False, tp: int = 1,
+        model_eager_only: str | None = None,
     ) -> CompilationConfig:
+        """``model_eager_only``: why the model's layers cannot be compiled (None: they can)."""
         if self.compile is not None and not isinstance(self.compile, bool):
             raise ValueError(f"compile must be true, false or None, got {self.compile!r}")
         if self.enforce_eager and self.compile:
@@ -778,7 +787,11 @@ class EngineArgs:
                 "compile=True is not supported with tensor_parallel_size > 1 yet (the ranks "
                 "run eagerly); drop --compile"
             )
-        eager_only = encoder_only or bool(self.enable_prompt_embeds) or speculative or tp > 1
+        if model_eager_only and self.compile:
+            raise ValueError(f"compile=True is not supported for this model yet "
+                             f"({model_eager_only}); drop --compile")
+        eager_only = (encoder_only or bool(self.enable_prompt_embeds) or speculative or tp > 1
+                      or bool(model_eager_only))
         enabled = not self.enforce_eager and not eager_only and (
             self.compile if self.compile is not None else platform_name == "cuda"
         )
@@ -797,7 +810,7 @@ class EngineArgs:
             # As vLLM: graphs unless --enforce-eager, whether or not the layers are compiled.
             # Decode graphs only: a pooling runner never decodes.
             cuda_graphs=platform_name == "cuda" and not self.enforce_eager and buckets.enabled
-            and runner != "pooling" and tp == 1,
+            and runner != "pooling" and tp == 1 and not model_eager_only,  # (host syncs)
         )
 
     def _pooling(

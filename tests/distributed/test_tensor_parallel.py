@@ -27,9 +27,11 @@ pytestmark = pytest.mark.slow
 
 MODULE_CHECKS = {
     2: [("collectives", ()), ("linears", ()), ("qkv_loader", (4, 2)), ("qkv_loader", (4, 1)),
-        ("attention_and_mlp", (2,)), ("attention_and_mlp", (1,)), ("vocab", (259,))],
+        ("attention_and_mlp", (2,)), ("attention_and_mlp", (1,)), ("vocab", (259,)),
+        ("moe", (1,)), ("moe", (2,))],
     4: [("collectives", ()), ("linears", ()), ("qkv_loader", (8, 2)),
-        ("attention_and_mlp", (2,)), ("attention_and_mlp", (4,)), ("vocab", (259,))],
+        ("attention_and_mlp", (2,)), ("attention_and_mlp", (4,)), ("vocab", (259,)),
+        ("moe", (1,)), ("moe", (2,)), ("moe", (4,))],
 }
 
 
@@ -47,6 +49,9 @@ def models(tmp_path_factory):
                                       num_key_value_heads=1)
     models["tied"] = make_tiny_model("llama", root / "tied", vocab_size=259,
                                      num_key_value_heads=1, tie_word_embeddings=True)
+    # MoE: experts split by TP (Qwen3-MoE with a dense layer; Mixtral).
+    models["qwen3_moe"] = make_tiny_model("qwen3_moe", root / "qwen3_moe", vocab_size=259)
+    models["mixtral"] = make_tiny_model("mixtral", root / "mixtral", vocab_size=259)
     return models
 
 
@@ -113,6 +118,13 @@ def test_vocab_embedding_lm_head_and_argmax(world_runs, world):
     _assert_ok(world_runs, world, "vocab", 259)
 
 
+@pytest.mark.parametrize("world, ep_size", [(2, 1), (2, 2), (4, 1), (4, 2), (4, 4)])
+def test_moe_layer_matches_unsharded(world_runs, world, ep_size):
+    """TP of experts (ep_size 1), full EP and EP 2 x TP 2 inside world 4; under full EP a
+    token routed only to rank 0's experts contributes exactly zero elsewhere."""
+    _assert_ok(world_runs, world, "moe", ep_size)
+
+
 def _reference_logits(path: Path) -> torch.Tensor:
     harness = PagedHarness(path)
     steps = list(harness.step([(0, tp_checks.MODEL_PROMPT, 0)]))
@@ -131,7 +143,7 @@ def test_model_logits_match_tp1(world_runs, models, world):
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
-VARIANTS = ("qwen3", "qwen2", "tied")
+VARIANTS = ("qwen3", "qwen2", "tied", "qwen3_moe", "mixtral")
 
 
 @pytest.mark.parametrize("name", VARIANTS)

@@ -17,6 +17,7 @@ import transformers
 from ingot.distributed import parallel_state
 from ingot.distributed.group import GroupCoordinator
 from ingot.model_executor.layers.attention import AttentionMetadata
+from ingot.model_executor.layers.fused_moe import FusedMoE, route
 from ingot.model_executor.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -210,6 +211,56 @@ def attention_and_mlp(group: GroupCoordinator, num_kv_heads: int) -> None:
         _close(mtp(h), mref(h), "MLP")
 
 
+def moe(group: GroupCoordinator, ep_size: int = 1) -> None:
+    """The MoE layer under TP of experts (``ep_size`` 1: every expert, its intermediate slice)
+    or EP (whole experts in contiguous blocks, the intermediate split over the partition's
+    ranks), loaded from per-expert checkpoint tensors: output equal to the unsharded layer,
+    the spec's shapes, shards that concatenate back, and under full EP a token routed only to
+    rank 0's experts contributes exactly zero on the other ranks."""
+    w, r = group.world_size, group.rank_in_group
+    experts, inter, hidden = 8, 48, 32
+    ref = _build(lambda: FusedMoE(experts, 2, hidden, inter, True), None)
+    _randomise(ref, 13)
+    with torch.no_grad():
+        ref.gate.weight.mul_(5)  # sharp routing: tokens pick different experts
+    layer = _build(lambda: FusedMoE(experts, 2, hidden, inter, True, ep_size=ep_size), group)
+    local_e, shards = experts // ep_size, w // ep_size
+    assert layer.w13.shape == (local_e, 2 * inter // shards, hidden), layer.w13.shape
+    assert layer.w2.shape == (local_e, hidden, inter // shards)
+    for e in range(experts):  # the checkpoint's per-expert tensors
+        layer.w13.weight_loader(layer.w13, ref.w13[e, :inter].detach(), 0, e)
+        layer.w13.weight_loader(layer.w13, ref.w13[e, inter:].detach(), 1, e)
+        layer.w2.weight_loader(layer.w2, ref.w2[e].detach(), 2, e)
+    layer.gate.weight.weight_loader(layer.gate.weight, ref.gate.weight.detach())
+    x = torch.randn(13, hidden, generator=torch.Generator().manual_seed(14))
+    with torch.inference_mode():
+        weights, ids = route(ref.gate(x), 2, True)
+        assert len(set(ids.flatten().tolist())) == experts, "every expert should get tokens"
+        _close(layer(x), ref(x), f"MoE (ep_size {ep_size})")
+        if ep_size == 1:
+            # down shards concatenate back along the intermediate dim
+            _close(group.all_gather(layer.w2.data, dim=2), ref.w2.data, "down shards")
+        # HF 5's fused [E, 2I, H] / [E, H, I] tensors load to the same shards.
+        fused = _build(lambda: FusedMoE(experts, 2, hidden, inter, True, ep_size=ep_size), group)
+        _load_from(fused, ref)
+        assert torch.equal(fused.w13, layer.w13) and torch.equal(fused.w2, layer.w2)
+        if shards > 1:
+            # Deliberately broken: every rank of a partition loading intermediate shard 0.
+            blind = _build(lambda: FusedMoE(experts, 2, hidden, inter, True, ep_size=ep_size),
+                           group)
+            blind.shard_index = 0
+            _load_from(blind, ref)
+            assert (blind(x) - ref(x)).abs().max() > 1e-3, "a rank-blind expert loader passed"
+        if ep_size == w and w > 1:
+            only_rank0 = torch.randint(0, local_e, ids.shape,
+                                       generator=torch.Generator().manual_seed(15))
+            part = layer.experts(x, weights, only_rank0)
+            if r == 0:
+                _close(part, ref.experts(x, weights, only_rank0), "rank 0's experts")
+            else:
+                assert torch.equal(part, torch.zeros_like(part)), "nonzero off-rank output"
+
+
 def vocab(group: GroupCoordinator, vocab_size: int) -> None:
     """Embedding with tokens on every shard (an uneven vocab: the last shard is padded), the LM
     head's gathered logits, and the greedy argmax over shards without gathering."""
@@ -244,11 +295,11 @@ def vocab(group: GroupCoordinator, vocab_size: int) -> None:
 
 
 def model_logits(group: GroupCoordinator, model_dir: str, out_dir: str, tag: str,
-                 broken: bool = False) -> None:
+                 broken: bool = False) -> torch.nn.Module:
     """The whole model from its checkpoint (separate q/k/v, gate/up tensors) on this rank's
     shard: prefill + teacher-forced decode logits (gathered: the same on every rank), saved
     as ``out_dir/{tag}.pt`` for the parent to compare with TP=1. ``broken``: the KV shard
-    loader ignores the rank (the comparison must catch it)."""
+    loader ignores the rank (the comparison must catch it). Returns this rank's model."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
@@ -279,6 +330,7 @@ def model_logits(group: GroupCoordinator, model_dir: str, out_dir: str, tag: str
         assert torch.equal(harness.model.greedy_token_ids(hidden), full.argmax(-1))
     if group.rank_in_group == 0:
         torch.save(out, os.path.join(out_dir, f"{tag}.pt"))
+    return harness.model  # this rank's, for shape checks under the simulated group
 
 
 MODEL_PROMPT = [3, 17, 92, 45, 200, 11, 8, 250, 77, 5, 133]

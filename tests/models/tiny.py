@@ -13,6 +13,17 @@ ARCHS = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+}
+
+# MoE defaults (4 experts, top 2): Qwen3-MoE with a dense last layer (mlp_only_layers), and
+# expert MLPs narrower than the dense one.
+MOE_DEFAULTS = {
+    "qwen3_moe": dict(head_dim=16, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
+                      mlp_only_layers=[1]),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
 }
 
 BASE = dict(
@@ -32,7 +43,7 @@ BASE = dict(
 
 def make_tiny_model(arch: str, path: Path, seed: int = 0, **overrides: Any) -> Path:
     config_cls, model_cls = (getattr(transformers, n) for n in ARCHS[arch])
-    kwargs = {**BASE, **overrides}
+    kwargs = {**BASE, **MOE_DEFAULTS.get(arch, {}), **overrides}
     if arch == "qwen3":
         kwargs.setdefault("head_dim", 16)
     config = config_cls(**kwargs)
@@ -44,6 +55,10 @@ def make_tiny_model(arch: str, path: Path, seed: int = 0, **overrides: Any) -> P
         for name, p in model.named_parameters():
             if "norm" in name or "bias" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith("mlp.gate.weight"):
+                # A sharper router than HF's init: tokens pick distinct experts, so a
+                # routing bug shows in the logits.
+                p.normal_(0.0, 0.5)
     model.save_pretrained(path, safe_serialization=True)
     return path
 

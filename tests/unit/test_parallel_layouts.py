@@ -98,11 +98,18 @@ MOE = SimpleNamespace(num_attention_heads=8, num_key_value_heads=4, intermediate
      SimpleNamespace(num_attention_heads=8, num_key_value_heads=4, intermediate_size=64,
                      num_experts=6), "does not divide the model's 6 experts"),
     (ParallelSizes(enable_expert_parallel=True), DENSE, "needs a mixture-of-experts model"),
+    (ParallelSizes(tensor_parallel_size=4),
+     SimpleNamespace(num_attention_heads=8, num_key_value_heads=4, intermediate_size=64,
+                     num_experts=8, moe_intermediate_size=6), "moe_intermediate_size"),
+    (ParallelSizes(tensor_parallel_size=4, enable_expert_parallel=True, ep_degree=2),
+     SimpleNamespace(num_attention_heads=8, num_key_value_heads=4, intermediate_size=64,
+                     num_experts=8, moe_intermediate_size=5), "over 2 ranks"),
+    (ParallelSizes(tensor_parallel_size=4),  # Mixtral: intermediate_size is the experts'
+     SimpleNamespace(num_attention_heads=8, num_key_value_heads=4, intermediate_size=6,
+                     num_local_experts=8), "intermediate_size \\(6\\) does not split over 4"),
     # Valid requests for what is not built yet: refused, never ignored.
     (ParallelSizes(data_parallel_size=2), DENSE, "data_parallel_size > 1 is not supported yet"),
     (ParallelSizes(pipeline_parallel_size=2), DENSE, "pipeline_parallel_size"),
-    (ParallelSizes(tensor_parallel_size=2, enable_expert_parallel=True), MOE,
-     "--enable-expert-parallel is not supported yet"),
 ])
 def test_validation_names_the_flag(sizes, hf, match):
     with pytest.raises(ValueError, match=match):
@@ -112,6 +119,15 @@ def test_validation_names_the_flag(sizes, hf, match):
 def test_valid_tensor_parallel_sizes_pass():
     validate_parallel_sizes(ParallelSizes(tensor_parallel_size=2), DENSE)
     validate_parallel_sizes(ParallelSizes(tensor_parallel_size=8), DENSE)  # KV replicated
+    # Expert parallelism over the TP group (DP 1): full, and ep_degree 2 inside TP 4.
+    validate_parallel_sizes(ParallelSizes(tensor_parallel_size=2, enable_expert_parallel=True),
+                            MOE)
+    validate_parallel_sizes(ParallelSizes(tensor_parallel_size=4, enable_expert_parallel=True,
+                                          ep_degree=2), MOE)
+    # Full EP: whole experts per rank, so the experts' width need not divide TP.
+    validate_parallel_sizes(ParallelSizes(tensor_parallel_size=4, enable_expert_parallel=True),
+                            SimpleNamespace(num_attention_heads=8, num_key_value_heads=4,
+                                            intermediate_size=6, num_local_experts=8))
 
 
 def _args(path, **kw) -> EngineArgs:

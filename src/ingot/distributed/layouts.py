@@ -86,7 +86,7 @@ class ParallelSizes:
 
 def validate_parallel_sizes(sizes: ParallelSizes, hf_config: object) -> None:
     """Every §1-3 constraint, with a message that names the flag to change; then what is not
-    built yet (DP > 1, PP > 1, EP) is refused as such, never ignored."""
+    built yet (DP > 1, PP > 1) is refused as such, never ignored."""
     tp, dp, pp = sizes.tensor_parallel_size, sizes.data_parallel_size, sizes.pipeline_parallel_size
     for name, value in (("tensor_parallel_size", tp), ("data_parallel_size", dp),
                         ("pipeline_parallel_size", pp)):
@@ -108,10 +108,26 @@ def validate_parallel_sizes(sizes: ParallelSizes, hf_config: object) -> None:
                 "--tensor-parallel-size"
             )
         inter = getattr(hf_config, "intermediate_size", None)
+        moe_name = "moe_intermediate_size"
+        moe_inter = getattr(hf_config, moe_name, None)
+        if _num_experts(hf_config) is not None and moe_inter is None:
+            # Mixtral: intermediate_size is the experts' (there are no dense layers).
+            moe_name, moe_inter, inter = "intermediate_size", inter, None
         if inter is not None and inter % tp:
             raise ValueError(
                 f"tensor_parallel_size {tp} does not divide the model's intermediate_size "
                 f"({inter}); choose another --tensor-parallel-size"
+            )
+        # The experts' intermediate dim splits over the ranks of one EP partition (all of
+        # the TP group without EP; an ep_degree that does not divide TP is reported below).
+        ep_deg = (sizes.ep_degree or tp) if sizes.enable_expert_parallel else 1
+        shards = tp // ep_deg if isinstance(ep_deg, int) and ep_deg > 0 and tp % ep_deg == 0 \
+            else 1
+        if isinstance(moe_inter, int) and shards > 1 and moe_inter % shards:
+            raise ValueError(
+                f"the model's {moe_name} ({moe_inter}) does not split over {shards} ranks "
+                "(tensor_parallel_size / ep_degree); choose another --tensor-parallel-size "
+                "or ep_degree"
             )
     ep = sizes.ep_degree
     if ep is not None:
@@ -155,8 +171,6 @@ def validate_parallel_sizes(sizes: ParallelSizes, hf_config: object) -> None:
             "data_parallel_size > 1 is not supported yet; run one engine per replica for now "
             "(or use --tensor-parallel-size)"
         )
-    if sizes.enable_expert_parallel:
-        raise ValueError("--enable-expert-parallel is not supported yet; drop it")
 
 
 def _num_experts(hf_config: object) -> int | None:

@@ -22,6 +22,10 @@ logger = logging.getLogger("ingot")
 
 _TP: GroupCoordinator | None = None
 _WORLD: GroupCoordinator | None = None
+# Expert parallelism (spec §3) re-reads the TP group for the MoE layers: its degree decides
+# which experts a rank holds. Process-wide (init_distributed sets it), with a per-thread
+# override (get_ep_size).
+_EP_SIZE = 1
 
 
 def backend_for(device: torch.device) -> str:
@@ -29,10 +33,14 @@ def backend_for(device: torch.device) -> str:
 
 
 def init_distributed(world_size: int, rank: int, init_method: str, tp_size: int,
-                     device: torch.device, timeout_s: float = 600.0) -> GroupCoordinator:
+                     device: torch.device, timeout_s: float = 600.0,
+                     ep_size: int = 1) -> GroupCoordinator:
     """Join the world (``init_method`` is tcp://host:port or file://path) and build the TP
-    groups; returns this rank's TP group."""
-    global _TP, _WORLD
+    groups; returns this rank's TP group. ``ep_size``: the MoE layers' expert-parallel degree
+    (they re-read the TP group, so no group of their own is needed: one all-reduce over TP
+    sums every partial)."""
+    global _TP, _WORLD, _EP_SIZE
+    _EP_SIZE = ep_size
     backend = backend_for(device)
     if (backend == "gloo" and init_method.startswith("file://")
             and "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo")):
@@ -52,8 +60,8 @@ def init_distributed(world_size: int, rank: int, init_method: str, tp_size: int,
             mine = GroupCoordinator(ranks, rank, group, backend)
     assert mine is not None
     _TP = mine
-    logger.info("torch.distributed (%s): rank %d of %d, TP group %s", backend, rank, world_size,
-                mine.ranks)
+    logger.info("torch.distributed (%s): rank %d of %d, TP group %s, EP degree %d", backend, rank,
+                world_size, mine.ranks, ep_size)
     return mine
 
 
@@ -73,8 +81,23 @@ def set_tp_group(group: GroupCoordinator | None) -> None:
     _local.tp = group
 
 
+def get_ep_size() -> int:
+    override = getattr(_local, "ep", None)
+    return override if override is not None else _EP_SIZE
+
+
+def set_ep_size(size: int | None, this_thread_only: bool = False) -> None:
+    """The EP degree MoE layers are built with (1 or None: no EP, experts split by TP)."""
+    global _EP_SIZE
+    if this_thread_only:
+        _local.ep = size
+    else:
+        _EP_SIZE = size or 1
+
+
 def destroy_distributed() -> None:
-    global _TP, _WORLD
+    global _TP, _WORLD, _EP_SIZE
     _TP = _WORLD = None
+    _EP_SIZE = 1
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -234,7 +234,8 @@ class Worker:
                 raise ValueError("a worker of several ranks needs distributed_init_method")
             # The model's layers size their shards from the TP group built here.
             init_distributed(parallel.world_size, rank, distributed_init_method,
-                             parallel.tensor_parallel_size, self.device)
+                             parallel.tensor_parallel_size, self.device,
+                             ep_size=parallel.ep_degree)
         # CPU compute threads: count, binding, adaptivity (platforms/cpu_threads.py).
         self.cpu_threads = (start_cpu_threads(rank_thread_config(config, rank))
                             if self.device.type == "cpu" else None)

@@ -179,6 +179,7 @@ _ARCHITECTURES = {
     "llama": _ArchSpec("LlamaConfig", "LlamaForCausalLM", permute_qk=True),
     "qwen2": _ArchSpec("Qwen2Config", "Qwen2ForCausalLM", permute_qk=False),
     "qwen3": _ArchSpec("Qwen3Config", "Qwen3ForCausalLM", permute_qk=False),
+    "qwen3moe": _ArchSpec("Qwen3MoeConfig", "Qwen3MoeForCausalLM", permute_qk=False),
 }
 
 # GGUF tensor names -> HF names; the same decoder skeleton covers all supported architectures.
@@ -199,6 +200,12 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # MoE (qwen3moe): the router, and the experts stacked [E, ...] in one tensor each, which
+    # weights() splits into HF's per-expert tensors ("{e}": the expert index).
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{e}.up_proj",
+    "ffn_down_exps": "mlp.experts.{e}.down_proj",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_RE = re.compile(r"(\w+)\.(weight|bias)")
@@ -315,7 +322,7 @@ def _build_config(
         architectures=[spec.hf_architecture],
         vocab_size=int(vocab_size),
         hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
+        intermediate_size=int(get("feed_forward_length", get("expert_feed_forward_length"))),
         num_hidden_layers=int(get("block_count")),
         num_attention_heads=n_heads,
         num_key_value_heads=int(n_kv),
@@ -331,8 +338,21 @@ def _build_config(
     if arch == "llama":
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors
         kwargs["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3moe"):
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    if arch == "qwen3moe":
+        # llama.cpp always renormalises qwen3moe's top-k weights (norm_topk_prob) unless the
+        # file says otherwise; layers without expert tensors are dense.
+        dense = [i for i in range(kwargs["num_hidden_layers"])
+                 if f"blk.{i}.ffn_gate_exps.weight" not in tensors]
+        kwargs.update(
+            num_experts=int(get("expert_count")),
+            num_experts_per_tok=int(get("expert_used_count")),
+            moe_intermediate_size=int(get("expert_feed_forward_length")),
+            norm_topk_prob=bool(get("expert_weights_norm", True)),
+            decoder_sparse_step=1,
+            mlp_only_layers=dense,
+        )
 
     import transformers
 
@@ -393,6 +413,10 @@ class GGUFModel:
                     tensor = unpermute_qk(tensor, n_heads)
                 elif spec.permute_qk and info.name.endswith(("attn_k.weight", "attn_k.bias")):
                     tensor = unpermute_qk(tensor, n_kv)
+                if "{e}" in hf_name:  # stacked experts -> one HF tensor per expert
+                    for e, expert in enumerate(tensor.unbind(0)):
+                        yield hf_name.format(e=e), expert.to(dtype).contiguous()
+                    continue
                 yield hf_name, tensor.to(dtype).contiguous()
 
 

@@ -9,11 +9,14 @@ is built. QKV, gate-up and the LM head are column-parallel, O and down row-paral
 all-reduce each), the embedding vocab-parallel; norms and RoPE are replicated. A rank holds
 num_heads/TP query heads and its share of the KV heads (one, replicated, when TP > KV heads).
 With one rank these are the plain layers.
+
+The MoE models (moe.py: Qwen3-MoE, Mixtral) are subclasses that give their sparse layers another
+feed-forward block (``_mlp_factory``) and load their expert tensors (``_load_expert_weight``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -156,11 +159,13 @@ class DecoderMLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, config: Any, rotary: RotaryEmbedding, qk_norm: bool, biases: tuple[bool, bool]
+        self, config: Any, rotary: RotaryEmbedding, qk_norm: bool, biases: tuple[bool, bool],
+        mlp: nn.Module | None = None,
     ) -> None:
+        """``mlp``: the feed-forward block when it is not the dense one (an MoE layer)."""
         super().__init__()
         self.self_attn = DecoderAttention(config, rotary, qk_norm, biases)
-        self.mlp = DecoderMLP(config)
+        self.mlp = mlp if mlp is not None else DecoderMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -183,14 +188,21 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: Any, qk_norm: bool, biases: tuple[bool, bool]) -> None:
+    def __init__(
+        self, config: Any, qk_norm: bool, biases: tuple[bool, bool],
+        mlp_factory: Callable[[int], nn.Module | None] | None = None,
+    ) -> None:
+        """``mlp_factory(layer_index)``: a layer's feed-forward block, None for the dense one
+        (MoE models choose per layer)."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary = RotaryEmbedding(
             head_dim_of(config), config.max_position_embeddings, rope_parameters_of(config)
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, rotary, qk_norm, biases) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, rotary, qk_norm, biases,
+                         mlp_factory(i) if mlp_factory is not None else None)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -243,7 +255,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, self.qk_norm, self._biases(config))
+        self.model = DecoderModel(config, self.qk_norm, self._biases(config), self._mlp_factory())
         window = self._sliding_window(config)
         for layer in self.model.layers:
             layer.self_attn.sliding_window = window
@@ -262,6 +274,10 @@ class LlamaForCausalLM(nn.Module):
         return bias, bias
 
     def _sliding_window(self, config: Any) -> int | None:
+        return None
+
+    def _mlp_factory(self) -> Callable[[int], nn.Module | None] | None:
+        """Per-layer feed-forward blocks (None: every layer dense); MoE models override."""
         return None
 
     def forward(
@@ -312,6 +328,12 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # tied: the embedding is the head
+            for ckpt_part, ours in self.checkpoint_renames:
+                name = name.replace(ckpt_part, ours)
+            expert_target = self._load_expert_weight(params, name, tensor)
+            if expert_target is not None:
+                loaded.add(expert_target)
+                continue
             for ckpt_part, fused_part, shard_id in self.stacked_params:
                 if ckpt_part in name:
                     target = name.replace(ckpt_part, fused_part)
@@ -332,6 +354,16 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]}")
         return loaded
 
+
+    #: (checkpoint name fragment, ours) applied before a name is matched (Mixtral's MoE block).
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
+
+    def _load_expert_weight(
+        self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor
+    ) -> str | None:
+        """MoE models load their expert tensors here; returns the filled parameter's name,
+        or None when ``name`` is not an expert tensor (dense models: never)."""
+        return None
 
     def _load_kv_scale(self, name: str, tensor: torch.Tensor) -> None:
         """FP8 KV scales stored in the checkpoint (vLLM's `...self_attn.k_scale` names)."""

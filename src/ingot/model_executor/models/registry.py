@@ -6,7 +6,7 @@ from typing import Any
 
 from torch import nn
 
-from ingot.model_executor.models import bert, eagle3, llama
+from ingot.model_executor.models import bert, eagle3, llama, moe
 from ingot.model_executor.models.adapters import as_classification_model
 
 _MODELS: dict[str, type[nn.Module]] = {
@@ -14,8 +14,10 @@ _MODELS: dict[str, type[nn.Module]] = {
     "BertForSequenceClassification": bert.BertForSequenceClassification,
     "LlamaForCausalLM": llama.LlamaForCausalLM,
     "MistralForCausalLM": llama.MistralForCausalLM,
+    "MixtralForCausalLM": moe.MixtralForCausalLM,
     "Qwen2ForCausalLM": llama.Qwen2ForCausalLM,
     "Qwen3ForCausalLM": llama.Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": moe.Qwen3MoeForCausalLM,
 }
 for _name in eagle3.EAGLE3_ARCHITECTURES:  # draft heads (speculative_config method eagle3)
     _MODELS[_name] = eagle3.Eagle3LlamaForCausalLM
