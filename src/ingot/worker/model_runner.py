@@ -422,6 +422,19 @@ class ModelRunner:
         # Not for constrained requests: their drafts would need the grammar's masks too.
         wanted = [(r, st) for r, st in zip(sample_reqs, states, strict=True)
                   if st.params.structured_outputs is None] if so.propose_drafts else []
+        if not wanted and not isinstance(proposer, Eagle3Proposer):
+            return  # (the EAGLE3 head follows every step)
+        with kernel_rows(0):  # the drafter's own forwards choose kernels by their own rows
+            drafts = self._drafts(proposer, so, last_rows, sample_reqs, new_tokens, wanted)
+        for (req_id, _), d in zip(wanted, drafts, strict=True):
+            if d:
+                output.draft_token_ids[req_id] = d
+
+    def _drafts(
+        self, proposer: NgramProposer | DraftModelProposer | Eagle3Proposer, so: SchedulerOutput,
+        last_rows: list[int], sample_reqs: list[str], new_tokens: list[list[int]],
+        wanted: list[tuple[str, CachedRequestState]],
+    ) -> list[list[int]]:
         if isinstance(proposer, Eagle3Proposer):
             # The head follows every step (its cache must cover each computed position).
             kept = dict(zip(sample_reqs, (len(t) for t in new_tokens), strict=True))
@@ -431,14 +444,8 @@ class ModelRunner:
                     for it, last in zip(so.scheduled, last_rows, strict=True)]
             aux = self.model.model.aux_hidden_states
             assert aux is not None, "the target left no auxiliary hidden states"
-            drafts = proposer.propose(wanted, step, aux)
-        elif wanted:
-            drafts = proposer.propose(wanted)
-        else:
-            return
-        for (req_id, _), d in zip(wanted, drafts, strict=True):
-            if d:
-                output.draft_token_ids[req_id] = d
+            return proposer.propose(wanted, step, aux)
+        return proposer.propose(wanted)
 
     def _sampling_metadata(
         self, states: list[CachedRequestState], outputs: list[list[int]] | None = None
@@ -487,7 +494,10 @@ class ModelRunner:
         drafts = [it.draft_token_ids for it in so.scheduled]
         ends = torch.cumsum(torch.tensor([it.num_tokens for it in so.scheduled]), 0).tolist()
         spec = SpecDecodeMetadata.make(drafts, ends)
-        logits = self.model.compute_logits(hidden[spec.logits_indices.to(hidden.device)])
+        # A plain decode step computes its logits on one row per request (unpadded): the LM
+        # head takes that step's kernel, as the layers took the padded batch's.
+        with kernel_rows(len(drafts)):
+            logits = self.model.compute_logits(hidden[spec.logits_indices.to(hidden.device)])
         row_states = [st for st, d in zip(states, drafts, strict=True) for _ in range(len(d) + 1)]
         row_outputs = [st.output_token_ids + d[:j] for st, d in zip(states, drafts, strict=True)
                        for j in range(len(d) + 1)]
