@@ -44,11 +44,13 @@ ASKS = [
 SPEC = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 
-def child(setting: str, workloads: list[str], k: int) -> None:
+def child(setting: str, workloads: list[str], k: int, fixed_threads: bool = False) -> None:
     from ingot import LLM, SamplingParams
     from ingot.benchmarks.workloads import WORKLOADS, prompts_for
 
-    kwargs = {"max_model_len": 2048}
+    kwargs: dict = {"max_model_len": 2048}
+    if fixed_threads:  # no adaptive thread switches (they can change oneDNN's rounding)
+        kwargs["cpu_adaptive_threads"] = False
     if setting == "on":
         kwargs["speculative_config"] = {**SPEC, "num_speculative_tokens": k}
     llm = LLM(**kwargs)
@@ -94,17 +96,21 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--workloads", default="grounded,offline")
     ap.add_argument("--child", default=None)
+    ap.add_argument("--fixed-threads", action="store_true",
+                    help="turn off the adaptive CPU thread count in both settings")
     args = ap.parse_args()
     workloads = args.workloads.split(",")
     if args.child:
-        child(args.child, workloads, args.k)
+        child(args.child, workloads, args.k, args.fixed_threads)
         return
     results: dict[tuple[str, str], list[dict]] = {}
     for r in range(args.rounds):
         for setting in (("off", "on") if r % 2 == 0 else ("on", "off")):
             proc = subprocess.run(
                 [sys.executable, __file__, "--child", setting, "--k", str(args.k),
-                 "--workloads", args.workloads], capture_output=True, text=True, check=True)
+                 "--workloads", args.workloads]
+                + (["--fixed-threads"] if args.fixed_threads else []),
+                capture_output=True, text=True, check=True)
             for line in proc.stdout.splitlines():
                 if line.startswith("BENCH "):
                     rec = json.loads(line[6:])
