@@ -14,7 +14,7 @@ same packed kernels, no collective.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -104,6 +104,24 @@ class LinearBase(nn.Module):
                 x, self.packed_weight, self.bias, "none", [], ""
             )
         return F.linear(x, self.weight, self.bias)
+
+
+def load_into(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor,
+              stacked: Sequence[tuple[str, str, str | int]], owner: str = "the model") -> str:
+    """Give one checkpoint tensor to its parameter's ``weight_loader``: through a fused
+    parameter when ``name`` holds one of ``stacked``'s (checkpoint part, fused part, shard id)
+    entries, else by name. Returns the parameter's name; a tensor with no place is an error."""
+    for ckpt_part, fused_part, shard_id in stacked:
+        if ckpt_part in name:
+            target = name.replace(ckpt_part, fused_part)
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {owner}")
+            params[target].weight_loader(params[target], tensor, shard_id)
+            return target
+    if name not in params:
+        raise ValueError(f"checkpoint tensor {name!r} has no place in {owner}")
+    params[name].weight_loader(params[name], tensor)
+    return name
 
 
 _kernel_rows = threading.local()

@@ -24,7 +24,11 @@ from torch import nn
 
 from ingot.model_executor.layers.attention import AttentionMetadata
 from ingot.model_executor.layers.layernorm import RMSNorm
-from ingot.model_executor.layers.linear import ReplicatedLinear, default_weight_loader
+from ingot.model_executor.layers.linear import (
+    ReplicatedLinear,
+    default_weight_loader,
+    load_into,
+)
 from ingot.model_executor.layers.rotary import RotaryEmbedding, rope_parameters_of
 from ingot.model_executor.models.llama import DecoderAttention, DecoderMLP, head_dim_of
 
@@ -146,19 +150,7 @@ class Eagle3LlamaForCausalLM(nn.Module):
                 self.d2t.copy_(tensor.to(torch.int64))
                 loaded.add(name)
                 continue
-            for ckpt_part, fused_part, shard_id in self.stacked_params:
-                if ckpt_part in name:
-                    target = name.replace(ckpt_part, fused_part)
-                    if target not in params:
-                        raise ValueError(f"EAGLE3 tensor {name!r} has no place in the head")
-                    params[target].weight_loader(params[target], tensor, shard_id)
-                    loaded.add(target)
-                    break
-            else:
-                if name not in params:
-                    raise ValueError(f"EAGLE3 tensor {name!r} has no place in the head")
-                params[name].weight_loader(params[name], tensor)
-                loaded.add(name)
+            loaded.add(load_into(params, name, tensor, self.stacked_params, "the EAGLE3 head"))
         self.shares_target_embedding = "embed_tokens.weight" not in loaded
         missing = set(params) - loaded - {"embed_tokens.weight"}
         if missing:

@@ -42,6 +42,7 @@ from ingot.model_executor.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
+    load_into,
 )
 from ingot.model_executor.layers.rotary import RotaryEmbedding, rope_parameters_of
 from ingot.model_executor.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
@@ -334,21 +335,7 @@ class LlamaForCausalLM(nn.Module):
             if expert_target is not None:
                 loaded.add(expert_target)
                 continue
-            for ckpt_part, fused_part, shard_id in self.stacked_params:
-                if ckpt_part in name:
-                    target = name.replace(ckpt_part, fused_part)
-                    if target not in params:
-                        raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-                    param = params[target]
-                    param.weight_loader(param, tensor, shard_id)
-                    loaded.add(target)
-                    break
-            else:
-                if name not in params:
-                    raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-                param = params[name]
-                param.weight_loader(param, tensor)
-                loaded.add(name)
+            loaded.add(load_into(params, name, tensor, self.stacked_params))
         missing = set(params) - loaded
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]}")
