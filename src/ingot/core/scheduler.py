@@ -62,7 +62,6 @@ class Scheduler:
         self.config = config
         # Speculative decoding: drafts the runner proposed are verified in decode steps the
         # policy allows; the counters say how many were accepted.
-        self.speculative = speculative
         self.spec_policy = (
             SpecPolicy(speculative.adaptive, speculative.disable_by_batch_size)
             if speculative is not None else None
@@ -215,9 +214,9 @@ class Scheduler:
     ) -> ScheduledRequest:
         start = request.num_computed_tokens
         drafts = drafts or []
+        sample = start + n - len(drafts) == request.num_tokens + request.num_output_placeholders
         end = start + n
-        if end - len(drafts) == request.num_tokens + request.num_output_placeholders:
-            # It samples: room for the positions a draft model fills after the step.
+        if sample:  # room for the positions a draft model fills after the step
             end = min(end + self.lookahead_slots, self.config.max_model_len)
         blocks = self.kv.allocate_slots(request.request_id, end)  # never for padding
         if request.num_blocks_sent == 0:  # its first step: the runner learns of it now
@@ -229,7 +228,6 @@ class Scheduler:
         new_block_ids = list(blocks[request.num_blocks_sent :])
         request.num_blocks_sent = len(blocks)
         request.num_computed_tokens = start + n  # rejected drafts are taken back later
-        sample = start + n - len(drafts) == request.num_tokens + request.num_output_placeholders
         if sample:
             request.num_output_placeholders += 1
         return ScheduledRequest(request.request_id, n, start, new_block_ids, sample, drafts)
@@ -397,6 +395,6 @@ class Scheduler:
                 out.finish_status = status
                 out.stop_reason = request.stop_reason
                 self.finish_request(req_id, status)
-            elif self.speculative is not None:
+            elif self.spec_policy is not None:
                 request.spec_token_ids = output.draft_token_ids.get(req_id, [])
         return list(results.values())

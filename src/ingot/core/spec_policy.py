@@ -92,27 +92,28 @@ class SpecPolicy:
         wins = rates.verify >= rates.decode
         return wins != (steps % PROBE_EVERY == PROBE_EVERY - 1)
 
+    def _next(self, num_reqs: int, bucket: int) -> tuple[bool, _Rates | None]:
+        """The choice for the bucket's next decode step, and its rates (None: not adaptive
+        or over the batch cap, where nothing is counted)."""
+        if self.disable_by_batch_size is not None and num_reqs > self.disable_by_batch_size:
+            return False, None
+        if not self.adaptive:
+            return True, None
+        rates = self._buckets.setdefault(bucket, _Rates())
+        return self._choice(rates, rates.steps), rates
+
     def speculate(self, num_reqs: int, bucket: int) -> bool:
         """Whether this decode step (of ``num_reqs`` requests, batch bucket ``bucket``)
         verifies drafts; counts the step."""
-        if self.disable_by_batch_size is not None and num_reqs > self.disable_by_batch_size:
-            return False
-        if not self.adaptive:
-            return True
-        rates = self._buckets.setdefault(bucket, _Rates())
-        choice = self._choice(rates, rates.steps)
-        rates.steps += 1
+        choice, rates = self._next(num_reqs, bucket)
+        if rates is not None:
+            rates.steps += 1
         return choice
 
     def wants_drafts(self, num_reqs: int, bucket: int) -> bool:
         """Whether the next decode step (assumed the same batch) will verify: drafts are
         proposed only then."""
-        if self.disable_by_batch_size is not None and num_reqs > self.disable_by_batch_size:
-            return False
-        if not self.adaptive:
-            return True
-        rates = self._buckets.setdefault(bucket, _Rates())
-        return self._choice(rates, rates.steps)
+        return self._next(num_reqs, bucket)[0]
 
     def observe(self, bucket: int, verified: bool, num_tokens: int, seconds: float) -> None:
         """A decode step of ``bucket`` ran: ``num_tokens`` output tokens in ``seconds``."""

@@ -47,17 +47,21 @@ class GroupCoordinator:
         dist.all_gather(parts, x, group=self.device_group)
         return torch.cat(parts, dim=dim)
 
+    def _chunk(self, op: str, x: torch.Tensor, dim: int) -> int:
+        """Each rank's share of ``x`` along ``dim`` (which must split evenly)."""
+        size = x.shape[dim]
+        if size % self.world_size:
+            raise ValueError(f"{op}: dim {dim} of size {size} is not divisible by the group's "
+                             f"{self.world_size} ranks")
+        return size // self.world_size
+
     def reduce_scatter(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """This rank's chunk of the group sum along ``dim`` (all-reduce + narrow: gloo's
         reduce_scatter is missing in older torch releases)."""
         if self.world_size == 1:
             return x
-        size = x.shape[dim]
-        if size % self.world_size:
-            raise ValueError(f"reduce_scatter: dim {dim} of size {size} is not divisible by "
-                             f"the group's {self.world_size} ranks")
+        chunk = self._chunk("reduce_scatter", x, dim)
         total = self.all_reduce(x.clone())
-        chunk = size // self.world_size
         return total.narrow(dim, self.rank_in_group * chunk, chunk).contiguous()
 
     def all_to_all(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -65,11 +69,7 @@ class GroupCoordinator:
         received, concatenated in sender order (all-gather + select: gloo has no all_to_all)."""
         if self.world_size == 1:
             return x
-        size = x.shape[dim]
-        if size % self.world_size:
-            raise ValueError(f"all_to_all: dim {dim} of size {size} is not divisible by "
-                             f"the group's {self.world_size} ranks")
-        chunk = size // self.world_size
+        chunk = self._chunk("all_to_all", x, dim)
         gathered = self.all_gather(x.unsqueeze(0), dim=0)  # [world, ...]
         mine = gathered.narrow(dim + 1, self.rank_in_group * chunk, chunk)
         return torch.cat(list(mine.unbind(0)), dim=dim)

@@ -247,22 +247,18 @@ class EngineMetrics:
             self._count_total(self.spec_draft_tokens, "spec_draft_tokens", spec.num_draft_tokens)
             self._count_total(self.spec_accepted_tokens, "spec_accepted", spec.num_accepted_tokens)
             for pos, total in enumerate(spec.num_accepted_tokens_per_pos):
-                key = f"spec_accepted_{pos}"
-                child = self.spec_accepted_per_pos.labels(model_name=self.model_name,
-                                                          position=str(pos))
-                seen = self._totals_seen.get(key, 0)
-                if total > seen:
-                    child.inc(total - seen)
-                    self._totals_seen[key] = total
+                self._count_total(self.spec_accepted_per_pos, f"spec_accepted_{pos}", total,
+                                  position=str(pos))
         self._count_total(self.async_steps, "async_steps", stats.get("async_steps", 0))
         self._count_total(self.sync_fallback_steps, "sync_fallback_steps",
                           stats.get("sync_fallback_steps", 0))
 
-    def _count_total(self, counter: Counter, key: str, total: float) -> None:
-        """Advance ``counter`` to a running total the workers report (never backwards)."""
+    def _count_total(self, counter: Counter, key: str, total: float, **labels: str) -> None:
+        """Advance ``counter`` (its child with ``labels``, besides the model name) to a running
+        total the engine reports (never backwards)."""
         seen = self._totals_seen.get(key, 0)
         if total > seen:
-            self.labels(counter).inc(total - seen)
+            counter.labels(model_name=self.model_name, **labels).inc(total - seen)
             self._totals_seen[key] = total
 
     def _record_pooling(self, out: PoolingRequestOutput, now: float) -> None:

@@ -98,8 +98,8 @@ class ModelRunner:
         device: torch.device,
         draft: tuple[nn.Module, list[torch.Tensor]] | None = None,
     ) -> None:
-        """``draft``: speculative decoding's draft model and its KV cache (method
-        draft_model)."""
+        """``draft``: speculative decoding's drafter (a draft model or an EAGLE3 head) and its
+        KV cache."""
         self.config = config
         self.model = model
         self.kv_caches = kv_caches
@@ -125,7 +125,6 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler(self.sampler)
         spec = config.speculative_config
         self.proposer: NgramProposer | DraftModelProposer | Eagle3Proposer | None = None
-        self.reads_aux_hidden = False  # EAGLE3: the target's forward leaves aux hidden states
         if spec is not None and spec.method == "ngram":
             assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
             self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max,
@@ -136,7 +135,6 @@ class ModelRunner:
             cls = Eagle3Proposer if spec.method == "eagle3" else DraftModelProposer
             self.proposer = cls(draft[0], draft[1], spec.num_speculative_tokens,
                                 self.block_size, config.model_config.max_model_len, device)
-            self.reads_aux_hidden = spec.method == "eagle3"
             if spec.method == "eagle3":
                 # The target leaves the inputs of these layers for the head.
                 model.model.aux_hidden_state_layers = tuple(spec.aux_layer_ids)
@@ -357,7 +355,7 @@ class ModelRunner:
     ) -> ModelRunnerOutput:
         hidden = None
         if (self.decode_graphs is not None and meta.is_decode and not meta.rows_share_sequences
-                and not self.reads_aux_hidden):  # a graph's replay leaves no aux states
+                and not isinstance(self.proposer, Eagle3Proposer)):  # a replay leaves no aux
             hidden = self.decode_graphs.replay(input_ids, positions, meta)
         embeds = None
         if so.is_prefill and self.config.model_config.enable_prompt_embeds:
@@ -392,8 +390,8 @@ class ModelRunner:
             self._propose(so, last_rows, [], [], [], output)
             return output
         states = [self.requests[r] for r in sample_reqs]
-        if any(it.draft_token_ids for it in so.scheduled):
-            new_tokens, logprobs_tensors = self._verify(hidden, so, states)
+        if meta.rows_share_sequences:  # a verification step
+            new_tokens, logprobs_tensors = self._verify(hidden, so, states, last_rows)
         else:
             new_tokens, logprobs_tensors = self._sample(hidden, so, sample_rows, sample_reqs,
                                                         states)
@@ -487,13 +485,13 @@ class ModelRunner:
         return [[t] for t in result.sampled_token_ids.tolist()], result.logprobs_tensors
 
     def _verify(
-        self, hidden: torch.Tensor, so: SchedulerOutput, states: list[CachedRequestState]
+        self, hidden: torch.Tensor, so: SchedulerOutput, states: list[CachedRequestState],
+        last_rows: list[int],
     ) -> tuple[list[list[int]], LogprobsTensors | None]:
         """A verification step: logits at each request's last token and drafts, checked by
         the rejection sampler (every scheduled request samples in a decode step)."""
         drafts = [it.draft_token_ids for it in so.scheduled]
-        ends = torch.cumsum(torch.tensor([it.num_tokens for it in so.scheduled]), 0).tolist()
-        spec = SpecDecodeMetadata.make(drafts, ends)
+        spec = SpecDecodeMetadata.make(drafts, [row + 1 for row in last_rows])
         # A plain decode step computes its logits on one row per request (unpadded): the LM
         # head takes that step's kernel, as the layers took the padded batch's.
         with kernel_rows(len(drafts)):

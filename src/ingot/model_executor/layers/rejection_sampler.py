@@ -129,11 +129,11 @@ class RejectionSampler:
             target_argmax = processed.argmax(dim=-1)
         draft_rows = spec.target_logits_indices.to(device)
         drafts = spec.draft_token_ids.to(device)
-        greedy_row = metadata.temperature.to(device) < _SAMPLING_EPS
         if metadata.all_greedy:
             accept = target_argmax[draft_rows] == drafts
             row_tokens = target_argmax
         else:
+            greedy_row = metadata.temperature.to(device) < _SAMPLING_EPS
             probs = self.sampler.probs(processed, metadata)
             u = _uniform(drafts.numel(), draft_rows, metadata.generators, device)
             random_accept = u <= probs[draft_rows, drafts]
