@@ -1,21 +1,27 @@
 """Embedding throughput of the default embedder (all-MiniLM-L6-v2): ingot against
-sentence-transformers on the same weights, 2,000 sentences of 8-128 tokens, one process,
-alternating rounds; then the p50 latency of one short embedding request through
+sentence-transformers on the same weights, 2,000 sentences of 8-128 tokens, each engine in its
+own process per round, rounds alternating; then the p50 latency of one short embedding request through
 `ingot serve --runner pooling`.
 
 sentence-transformers is not a dependency of ingot; install it beside the venv, e.g.
   pip install --no-deps -t /tmp/st sentence-transformers scipy scikit-learn joblib \\
       threadpoolctl cloudpickle narwhals
   PYTHONPATH=/tmp/st .venv/bin/python bench/embedding_throughput.py
-Without it only ingot's figures are printed. vLLM's CPU backend is not run by this script.
+Without it only ingot's figures are printed. ``--engines ingot,ingot-bf16,...`` adds ingot
+in bf16. vLLM's CPU backend is not run by this script.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import random
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 import urllib.request
 
@@ -59,52 +65,91 @@ def server_latency(requests: int) -> float:
     return statistics.median(times[2:])
 
 
+def child(engine: str, n: int, batch_size: int, vectors: str) -> None:
+    """One engine, one timed pass over the workload in this (fresh) process; prints a RESULT
+    line and saves the vectors for the parent's agreement check."""
+    path = default_embedder_path()
+    from transformers import AutoTokenizer
+
+    texts = sentences(n, AutoTokenizer.from_pretrained(path))
+    if engine == "sentence-transformers":
+        from sentence_transformers import SentenceTransformer
+
+        st = SentenceTransformer(path, device="cpu")
+        st.encode(texts[:64], batch_size=batch_size)  # warm
+        start = time.perf_counter()
+        vecs = torch.tensor(st.encode(texts, batch_size=batch_size))
+        seconds = time.perf_counter() - start
+        dtype = "float32"
+    else:
+        llm = LLM(runner="pooling", **({"dtype": "bfloat16"} if engine == "ingot-bf16" else {}))
+        dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
+        llm.embed(texts[:64])  # warm
+        start = time.perf_counter()
+        outs = llm.embed(texts)
+        seconds = time.perf_counter() - start
+        vecs = torch.tensor([o.outputs.embedding for o in outs])
+    torch.save(vecs.float(), vectors)
+    print("RESULT " + json.dumps({"engine": engine, "seconds": seconds, "dtype": dtype}), flush=True)
+
+
+def run_child(engine: str, ns: argparse.Namespace, vectors: str) -> dict:
+    cmd = [sys.executable, __file__, "--child", engine, "--sentences", str(ns.sentences),
+           "--batch-size", str(ns.batch_size), "--vectors", vectors]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    line = next(x for x in out.splitlines() if x.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sentences", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=32, help="sentence-transformers' batch")
     ap.add_argument("--latency-requests", type=int, default=30)
+    ap.add_argument("--engines", default="ingot,sentence-transformers",
+                    help="comma-separated: ingot (its default dtype), ingot-bf16, "
+                         "sentence-transformers")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--vectors", help=argparse.SUPPRESS)
     ns = ap.parse_args()
-    path = default_embedder_path()
-    llm = LLM(runner="pooling")
-    tokenizer = llm.get_tokenizer()
+    if ns.child:
+        child(ns.child, ns.sentences, ns.batch_size, ns.vectors)
+        return
+    engines = ns.engines.split(",")
+    if "sentence-transformers" in engines and importlib.util.find_spec("sentence_transformers") is None:
+        print("sentence-transformers is not installed: running ingot only", flush=True)
+        engines = [e for e in engines if e != "sentence-transformers"]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_embedder_path())
     texts = sentences(ns.sentences, tokenizer)
     num_tokens = sum(len(tokenizer.encode(t)) for t in texts)
-    print(f"WORKLOAD sentences={len(texts)} tokens={num_tokens} dtype="
-          f"{llm.llm_engine.model_config.dtype}", flush=True)
-    try:
-        from sentence_transformers import SentenceTransformer
-
-        st = SentenceTransformer(path, device="cpu")
-    except ImportError:
-        st = None
-    llm.embed(texts[:64])  # warm
-    rates: dict[str, list[float]] = {"ingot": [], "sentence-transformers": []}
-    for rnd in range(ns.rounds):
-        start = time.perf_counter()
-        ours = torch.tensor([o.outputs.embedding for o in llm.embed(texts)])
-        t = time.perf_counter() - start
-        rates["ingot"].append(len(texts) / t)
-        print(f"RESULT engine=ingot round={rnd} sentences_s={len(texts) / t:.1f} "
-              f"tokens_s={num_tokens / t:.0f}", flush=True)
-        if st is None:
-            continue
-        start = time.perf_counter()
-        ref = torch.tensor(st.encode(texts, batch_size=ns.batch_size))
-        t = time.perf_counter() - start
-        rates["sentence-transformers"].append(len(texts) / t)
-        cos = torch.nn.functional.cosine_similarity(ours.float(), ref.float()).min()
-        print(f"RESULT engine=sentence-transformers round={rnd} sentences_s={len(texts) / t:.1f} "
-              f"tokens_s={num_tokens / t:.0f} min_cosine_vs_ingot={cos:.5f}", flush=True)
+    print(f"WORKLOAD sentences={len(texts)} tokens={num_tokens} load_before={os.getloadavg()}",
+          flush=True)
+    rates: dict[str, list[float]] = {e: [] for e in engines}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rnd in range(ns.rounds):  # engines alternate, each in its own process
+            for engine in engines:
+                res = run_child(engine, ns, f"{tmp}/{engine}.pt")
+                t = res["seconds"]
+                rates[engine].append(len(texts) / t)
+                print(f"RESULT engine={engine} dtype={res['dtype']} round={rnd} "
+                      f"sentences_s={len(texts) / t:.1f} tokens_s={num_tokens / t:.0f}", flush=True)
+        vecs = {e: torch.load(f"{tmp}/{e}.pt") for e in engines}
+    for engine in engines[1:]:
+        cos = torch.nn.functional.cosine_similarity(vecs[engines[0]], vecs[engine]).min()
+        print(f"AGREEMENT {engines[0]} vs {engine}: min_cosine={cos:.6f}")
     for name, r in rates.items():
-        if r:
-            print(f"MEDIAN engine={name} sentences_s={statistics.median(r):.1f}")
-    if rates["sentence-transformers"]:
-        ratios = [a / b for a, b in zip(rates["ingot"], rates["sentence-transformers"], strict=True)]
-        print(f"RATIO ingot_over_sentence_transformers={statistics.median(ratios):.2f}")
-    del llm
-    print(f"LATENCY server_p50_ms={server_latency(ns.latency_requests) * 1000:.1f}")
+        print(f"MEDIAN engine={name} sentences_s={statistics.median(r):.1f} "
+              f"tokens_s={statistics.median(r) * num_tokens / len(texts):.0f}")
+    for name in engines[1:]:
+        ratios = [a / b for a, b in zip(rates[engines[0]], rates[name], strict=True)]
+        print(f"RATIO {engines[0]}_over_{name}={statistics.median(ratios):.2f} "
+              f"(per round {', '.join(f'{x:.2f}' for x in ratios)})")
+    print(f"LOAD after={os.getloadavg()}", flush=True)
+    if ns.latency_requests:
+        print(f"LATENCY server_p50_ms={server_latency(ns.latency_requests) * 1000:.1f}")
 
 
 if __name__ == "__main__":

@@ -402,9 +402,13 @@ def _load_hf_config(path: str, fmt: str) -> tuple[Any, dict[str, Any]]:
     return config, gen
 
 
-def _auto_dtype(hf_config: Any, fmt: str, platform: Any) -> torch.dtype:
+def _auto_dtype(hf_config: Any, fmt: str, platform: Any, prefill_only: bool = False) -> torch.dtype:
     """vLLM's rule: keep bf16/fp16 checkpoints, cast fp32 checkpoints down to half precision;
-    on platforms without that dtype fall back to the platform default."""
+    on platforms without that dtype fall back to the platform default. ``prefill_only`` (an
+    encoder): the platform's dtype for compute-bound models when that is float32 (a CPU
+    without AMX: float32 computes faster there, and a half checkpoint widens exactly)."""
+    if prefill_only and platform.prefill_only_dtype() == torch.float32:
+        return torch.float32
     declared = getattr(hf_config, "dtype", None)
     if isinstance(declared, str):
         declared = _DTYPES.get(declared)
@@ -503,7 +507,7 @@ class EngineArgs:
         runner, convert, pooler = self._pooling(model_cls, path, hf_config)
         encoder_only = bool(getattr(model_cls, "is_encoder_only", False))
 
-        dtype = parse_dtype(self.dtype) or _auto_dtype(hf_config, fmt, platform)
+        dtype = parse_dtype(self.dtype) or _auto_dtype(hf_config, fmt, platform, encoder_only)
         platform.check_dtype(dtype)
 
         derived_max = int(getattr(hf_config, "max_position_embeddings", 2048))
@@ -578,7 +582,10 @@ class EngineArgs:
 
         ProfilerConfig.from_dict(additional_config.get("profiler"))  # validate now
         buckets = BucketGrid.from_config(
-            additional_config, max_batched, self.max_num_seqs, max_model_len, self.block_size
+            additional_config, max_batched, self.max_num_seqs, max_model_len, self.block_size,
+            # An encoder always runs eagerly: padding to a bucket would only add work, and the
+            # largest bucket (max_model_len) would cap a packed step's tokens.
+            default_enabled=not encoder_only,
         )
         if self.enable_prompt_embeds and runner == "pooling":
             raise ValueError("enable_prompt_embeds is for generation; drop it with --runner pooling")

@@ -124,8 +124,10 @@ class BucketGrid:
         max_num_seqs: int,
         max_model_len: int,
         block_size: int,
+        default_enabled: bool = True,
     ) -> BucketGrid:
-        enabled = additional_config.get("enable_bucketing", True)
+        """``default_enabled``: bucketing when ``enable_bucketing`` is not set."""
+        enabled = additional_config.get("enable_bucketing", default_enabled)
         if not isinstance(enabled, bool):
             raise ValueError(f"enable_bucketing must be true or false, got {enabled!r}")
         prefill_max = min(max_num_batched_tokens, max_model_len)

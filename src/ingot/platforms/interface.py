@@ -51,6 +51,12 @@ class Platform:
         return torch.float32
 
     @classmethod
+    def prefill_only_dtype(cls) -> torch.dtype:
+        """The auto dtype of a model that only ever prefills (an encoder: compute-bound, no
+        decode step whose cost is reading the weights, where half precision pays off)."""
+        return cls.default_dtype()
+
+    @classmethod
     def check_dtype(cls, dtype: torch.dtype) -> torch.dtype:
         """Return ``dtype`` if this platform can run it, else raise ``ValueError``."""
         if dtype not in cls.supported_dtypes:

@@ -581,6 +581,87 @@ void ingot_rope_write_kv_bf16(const uint16_t *q, int64_t q_stride, const uint16_
 }
 
 /* ---------------------------------------------------------------------------------------- */
+/* Bidirectional attention of an encoder's packed prefill, float32: sequence b is rows
+   starts[b] .. starts[b+1]-1 of q/k/v (row stride `stride`, head h at columns h*D ..), and
+   each of its rows attends to exactly those rows. One task per (sequence, head) reads its
+   rows in place (no [B, Lmax] grid, no padded keys: the work is sum L^2, not B * Lmax^2) and
+   depends on nothing else in the batch, so a sequence's output is the same alone or packed.
+   Scores take 4 query rows per pass over keys transposed to [D][L] (16 keys a vector, no
+   horizontal sums); softmax and p.v in float32. D a multiple of 16; scratch: per thread
+   >= (D + 4) * (Lmax + 16) floats. */
+void ingot_encoder_attention_f32(const float *q, const float *k, const float *v, int64_t stride,
+                                 float *out, int64_t out_stride, const int64_t *starts, int64_t B,
+                                 int64_t H, int64_t D, float scale, float *scratch,
+                                 int64_t scratch_per_thread, int nthreads) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int64_t task = 0; task < B * H; task++) {
+        const int64_t b = task / H, h = task % H, s0 = starts[b], L = starts[b + 1] - s0;
+        if (L <= 0) continue;
+        const int64_t Lp = (L + 15) / 16 * 16;
+        float *kt = scratch + (int64_t)omp_get_thread_num() * scratch_per_thread; /* [D][Lp] */
+        float *sc = kt + D * Lp;                                                  /* [4][Lp] */
+        for (int64_t j = 0; j < L; j++) {
+            const float *kr = k + (s0 + j) * stride + h * D;
+            for (int64_t d = 0; d < D; d++) kt[d * Lp + j] = kr[d] * scale;
+        }
+        for (int64_t d = 0; d < D; d++)
+            for (int64_t j = L; j < Lp; j++) kt[d * Lp + j] = 0.0f;
+        for (int64_t i = 0; i < L; i += 4) {
+            const int64_t r = L - i < 4 ? L - i : 4;
+            const float *qr[4];
+            for (int64_t t = 0; t < 4; t++) /* rows past the end repeat the last (unused) */
+                qr[t] = q + (s0 + i + (t < r ? t : r - 1)) * stride + h * D;
+            for (int64_t j = 0; j < Lp; j += 16) {
+                __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                for (int64_t d = 0; d < D; d++) {
+                    const __m512 kv = _mm512_loadu_ps(kt + d * Lp + j);
+                    a0 = _mm512_fmadd_ps(_mm512_set1_ps(qr[0][d]), kv, a0);
+                    a1 = _mm512_fmadd_ps(_mm512_set1_ps(qr[1][d]), kv, a1);
+                    a2 = _mm512_fmadd_ps(_mm512_set1_ps(qr[2][d]), kv, a2);
+                    a3 = _mm512_fmadd_ps(_mm512_set1_ps(qr[3][d]), kv, a3);
+                }
+                _mm512_storeu_ps(sc + j, a0);
+                _mm512_storeu_ps(sc + Lp + j, a1);
+                _mm512_storeu_ps(sc + 2 * Lp + j, a2);
+                _mm512_storeu_ps(sc + 3 * Lp + j, a3);
+            }
+            float inv[4];
+            for (int64_t t = 0; t < r; t++) {
+                float *st = sc + t * Lp;
+                __m512 mx = _mm512_set1_ps(-INFINITY);
+                for (int64_t j = 0; j < L; j += 16) {
+                    const __mmask16 mk = (__mmask16)(L - j >= 16 ? 0xffffu : (1u << (L - j)) - 1u);
+                    mx = _mm512_mask_max_ps(mx, mk, mx, _mm512_loadu_ps(st + j));
+                }
+                const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+                __m512 z = _mm512_setzero_ps();
+                for (int64_t j = 0; j < Lp; j += 16) {
+                    const __mmask16 mk = (__mmask16)(L - j >= 16 ? 0xffffu : (1u << (L - j)) - 1u);
+                    const __m512 e = _mm512_maskz_mov_ps(mk, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(st + j), m)));
+                    _mm512_storeu_ps(st + j, e);
+                    z = _mm512_add_ps(z, e);
+                }
+                inv[t] = 1.0f / _mm512_reduce_add_ps(z);
+            }
+            for (int64_t d = 0; d < D; d += 16) {
+                __m512 o0 = _mm512_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
+                for (int64_t j = 0; j < L; j++) {
+                    const __m512 vv = _mm512_loadu_ps(v + (s0 + j) * stride + h * D + d);
+                    o0 = _mm512_fmadd_ps(_mm512_set1_ps(sc[j]), vv, o0);
+                    o1 = _mm512_fmadd_ps(_mm512_set1_ps(sc[Lp + j]), vv, o1);
+                    o2 = _mm512_fmadd_ps(_mm512_set1_ps(sc[2 * Lp + j]), vv, o2);
+                    o3 = _mm512_fmadd_ps(_mm512_set1_ps(sc[3 * Lp + j]), vv, o3);
+                }
+                const __m512 os[4] = {o0, o1, o2, o3};
+                for (int64_t t = 0; t < r; t++)
+                    _mm512_storeu_ps(out + (s0 + i + t) * out_stride + h * D + d,
+                                     _mm512_mul_ps(os[t], _mm512_set1_ps(inv[t])));
+            }
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------- */
 /* Pin the calling thread's OpenMP team of n threads: thread i to CPU cpus[i] (what
    --cpu-threads-bind / VLLM_CPU_OMP_THREADS_BIND ask for). libgomp keeps one team per master
    thread and reuses it, so later regions of up to n threads run where this put them. Returns

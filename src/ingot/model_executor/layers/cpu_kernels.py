@@ -69,6 +69,9 @@ class CpuKernels:
         self.rope_write_kv = self._bind(
             lib.ingot_rope_write_kv_bf16, [p, i64, p, i64, p, i64] + [p] * 7 + [i64] * 4 + [i32]
         )
+        self.encoder_attention = self._bind(
+            lib.ingot_encoder_attention_f32, [p] * 3 + [i64, p, i64, p] + [i64] * 3 + [f32, p, i64, i32]
+        )
         self.bind_threads = lib.ingot_bind_threads  # platforms/cpu_threads.py pins teams with it
         self.bind_threads.restype = ctypes.c_int
         self.bind_threads.argtypes = [ctypes.POINTER(ctypes.c_int), i32]
@@ -329,3 +332,38 @@ def rope_write_kv_bf16(
         num_heads, num_kv_heads, head_dim, torch.get_num_threads(),
     )
     return q_out, k_out
+
+
+def encoder_attention_f32(
+    kernels: CpuKernels,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    starts: torch.Tensor,
+    scale: float,
+    max_len: int,
+) -> torch.Tensor:
+    """Bidirectional attention within each packed sequence: query/key/value [T, H, D] float32
+    (rows may be strided views into a fused qkv output, all three with the same strides),
+    sequence b at rows starts[b] .. starts[b+1]-1 (``starts`` [B + 1], ``max_len`` its longest
+    span). -> [T, H * D]; rows past starts[-1] are zero."""
+    num_tokens, num_heads, head_dim = query.shape
+    query, stride = _rows(query)
+    key, value = key, value
+    if _rows(key)[1] != stride or _rows(value)[1] != stride or key.stride() != query.stride() \
+            or value.stride() != query.stride():
+        query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+        stride = query.stride(0)
+    starts = starts.to(torch.int64).contiguous()
+    threads = torch.get_num_threads()
+    per_thread = (head_dim + 4) * (max_len + 16)
+    scratch = torch.empty(threads * per_thread, dtype=torch.float32)
+    out = torch.empty(num_tokens, num_heads * head_dim, dtype=torch.float32)
+    end = int(starts[-1])
+    out[end:] = 0
+    kernels.encoder_attention(
+        query.data_ptr(), key.data_ptr(), value.data_ptr(), stride, out.data_ptr(),
+        out.stride(0), starts.data_ptr(), starts.numel() - 1, num_heads, head_dim, scale,
+        scratch.data_ptr(), per_thread, threads,
+    )
+    return out
