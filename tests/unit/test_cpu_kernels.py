@@ -292,3 +292,37 @@ def test_rope_write_kv_equals_torch_rotary_and_write(heads, kv_heads, head_dim):
     # Broken case: rotating at the wrong positions must not pass the same comparison.
     q_off, _ = rope(positions + 1, q, k)
     assert not torch.equal(q_rot, q_off)
+
+
+def _per_sequence_sdpa(q, k, v, lens):
+    out, s = [], 0
+    for n in lens:
+        qs, ks, vs = (x[s : s + n].transpose(0, 1) for x in (q, k, v))
+        out.append(F.scaled_dot_product_attention(qs, ks, vs).transpose(0, 1).reshape(n, -1))
+        s += n
+    return torch.cat(out)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("heads", "head_dim"), [(12, 32), (2, 16), (4, 64)])
+def test_encoder_attention_matches_per_sequence_sdpa(heads, head_dim):
+    """Packed sequences of 1-130 rows (tails of 4-row and 16-key blocks), read in place from a
+    fused qkv output; padded rows after the last sequence come out zero; a sequence alone gives
+    the very same rows. Broken twin: one bidirectional attention over the whole packed batch
+    (neighbours leaking into each other) fails the same tolerance."""
+    torch.manual_seed(0)
+    lens = [1, 5, 16, 17, 64, 130, 3]
+    total, pad = sum(lens), 6
+    qkv = torch.randn(total + pad, 3 * heads * head_dim)
+    q, k, v = (x.reshape(-1, heads, head_dim) for x in qkv.chunk(3, dim=-1))
+    starts = torch.tensor([0, *lens]).cumsum(0)
+    out = cpu_kernels.encoder_attention_f32(fn, q, k, v, starts, head_dim**-0.5, max(lens))
+    ref = _per_sequence_sdpa(q, k, v, lens)
+    assert torch.allclose(out[:total], ref, atol=1e-5)
+    assert out[total:].eq(0).all()
+    s, n = int(starts[5]), lens[5]
+    alone = cpu_kernels.encoder_attention_f32(
+        fn, q[s : s + n], k[s : s + n], v[s : s + n], torch.tensor([0, n]), head_dim**-0.5, n)
+    assert torch.equal(alone, out[s : s + n])
+    leaky = _per_sequence_sdpa(q, k, v, [total])
+    assert not torch.allclose(out[:total], leaky, atol=1e-5)

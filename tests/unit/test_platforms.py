@@ -146,6 +146,21 @@ def test_cpu_default_dtype_follows_cpu_flags(monkeypatch: pytest.MonkeyPatch) ->
     assert CpuPlatform.default_dtype() is torch.float32
 
 
+def test_cpu_prefill_only_dtype_is_bf16_only_with_amx(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An encoder's auto dtype: float32 unless AMX makes bf16 matmuls faster; the decoder
+    default (bf16 with AVX512-BF16) is unchanged."""
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)
+    monkeypatch.setattr(cpu_mod, "_cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    assert CpuPlatform.prefill_only_dtype() is torch.float32
+    assert CpuPlatform.default_dtype() is torch.bfloat16
+    monkeypatch.setattr(cpu_mod, "_cpu_flags",
+                        lambda: frozenset({"avx512f", "avx512_bf16", "amx_bf16"}))
+    assert CpuPlatform.prefill_only_dtype() is torch.bfloat16
+    monkeypatch.setattr(cpu_mod, "_cpu_flags", lambda: frozenset({"sse2", "amx_bf16"}))
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    assert CpuPlatform.prefill_only_dtype() is torch.float32
+
+
 def test_cpu_flags_unreadable_means_fp32(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     cpu_mod._cpu_flags.cache_clear()
     monkeypatch.setattr(cpu_mod, "_CPUINFO", str(tmp_path / "missing"))
