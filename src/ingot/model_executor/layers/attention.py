@@ -315,8 +315,8 @@ def encoder_attention(
 
     float32 on a CPU with ingot's kernels: each request attends over its own rows in place
     (cpu_kernels.c), sum L^2 work instead of the [B, Lmax] grid's B * Lmax^2, without the
-    grid's copies (measured on the default embedder: SDPA over the grid was ~23% of a packed
-    step, the kernel ~N%)."""
+    grid's copies. Measured on one core, 27 requests of 8-128 tokens (12 heads of 32): 5.8-7.1
+    ms a layer against 25-35 ms for SDPA over the grid (which was ~23% of a packed step)."""
     num_tokens, num_heads, head_dim = query.shape
     num_reqs, max_q = meta.num_reqs, meta.max_query_len
     n = meta.num_actual_tokens
