@@ -57,6 +57,8 @@ class AttentionBackend:
     (Dynamo traces these ops; ingot's ctypes kernels are opaque to it)."""
 
     name = "torch"
+    #: Whether decode steps attend through the [rows, keys] mask (else by sequence length).
+    decode_mask = True
 
     def build_metadata(
         self,
@@ -70,10 +72,12 @@ class AttentionBackend:
         rows_share_sequences: bool = False,
         kernel_rows: int = 0,
     ) -> AttentionMetadata:
+        """The step's metadata, with the attention mask only where this backend reads it."""
+        with_mask = self.decode_mask or not is_decode
         return AttentionMetadata.build(
-            positions, query_lens, slot_mapping, block_table, block_size=block_size,
-            causal=causal, is_decode=is_decode, rows_share_sequences=rows_share_sequences,
-            kernel_rows=kernel_rows,
+            positions, query_lens, slot_mapping, block_table,
+            block_size=block_size if with_mask else None, causal=causal, is_decode=is_decode,
+            rows_share_sequences=rows_share_sequences, kernel_rows=kernel_rows,
         )
 
     def attend(
@@ -106,28 +110,11 @@ class CpuKernelAttention(AttentionBackend):
     writes in one call, then attends with SDPA. Chosen only where every one of them applies."""
 
     name = "cpu-kernels"
+    # The decode kernel bounds each row by its sequence length: no mask to build.
+    decode_mask = False
 
     def __init__(self, kernels: CpuKernels) -> None:
         self.kernels = kernels
-
-    def build_metadata(
-        self,
-        positions: torch.Tensor,
-        query_lens: list[int],
-        slot_mapping: torch.Tensor,
-        block_table: torch.Tensor,
-        block_size: int,
-        causal: bool = False,
-        is_decode: bool = False,
-        rows_share_sequences: bool = False,
-        kernel_rows: int = 0,
-    ) -> AttentionMetadata:
-        # The decode kernel bounds each row by its sequence length: no mask to build.
-        return AttentionMetadata.build(
-            positions, query_lens, slot_mapping, block_table,
-            block_size=None if is_decode else block_size, causal=causal, is_decode=is_decode,
-            rows_share_sequences=rows_share_sequences, kernel_rows=kernel_rows,
-        )
 
     def attend(
         self,
