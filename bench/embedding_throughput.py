@@ -65,7 +65,7 @@ def server_latency(requests: int) -> float:
     return statistics.median(times[2:])
 
 
-def child(engine: str, n: int, batch_size: int, vectors: str) -> None:
+def child(engine: str, n: int, batch_size: int, vectors: str, adaptive: bool = True) -> None:
     """One engine, one timed pass over the workload in this (fresh) process; prints a RESULT
     line and saves the vectors for the parent's agreement check."""
     path = default_embedder_path()
@@ -82,7 +82,8 @@ def child(engine: str, n: int, batch_size: int, vectors: str) -> None:
         seconds = time.perf_counter() - start
         dtype = "float32"
     else:
-        llm = LLM(runner="pooling", **({"dtype": "bfloat16"} if engine == "ingot-bf16" else {}))
+        llm = LLM(runner="pooling", cpu_adaptive_threads=adaptive,
+                  **({"dtype": "bfloat16"} if engine == "ingot-bf16" else {}))
         dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
         llm.embed(texts[:64])  # warm
         start = time.perf_counter()
@@ -96,6 +97,8 @@ def child(engine: str, n: int, batch_size: int, vectors: str) -> None:
 def run_child(engine: str, ns: argparse.Namespace, vectors: str) -> dict:
     cmd = [sys.executable, __file__, "--child", engine, "--sentences", str(ns.sentences),
            "--batch-size", str(ns.batch_size), "--vectors", vectors]
+    if ns.no_cpu_adaptive_threads:
+        cmd.append("--no-cpu-adaptive-threads")
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     line = next(x for x in out.splitlines() if x.startswith("RESULT "))
     return json.loads(line.removeprefix("RESULT "))
@@ -110,11 +113,13 @@ def main() -> None:
     ap.add_argument("--engines", default="ingot,sentence-transformers",
                     help="comma-separated: ingot (its default dtype), ingot-bf16, "
                          "sentence-transformers")
+    ap.add_argument("--no-cpu-adaptive-threads", action="store_true",
+                    help="ingot keeps all its threads (as sentence-transformers does)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--vectors", help=argparse.SUPPRESS)
     ns = ap.parse_args()
     if ns.child:
-        child(ns.child, ns.sentences, ns.batch_size, ns.vectors)
+        child(ns.child, ns.sentences, ns.batch_size, ns.vectors, not ns.no_cpu_adaptive_threads)
         return
     engines = ns.engines.split(",")
     if "sentence-transformers" in engines and importlib.util.find_spec("sentence_transformers") is None:
