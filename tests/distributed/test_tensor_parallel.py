@@ -26,10 +26,10 @@ from tiny import make_tiny_model  # noqa: E402
 pytestmark = pytest.mark.slow
 
 MODULE_CHECKS = {
-    2: [("collectives", ()), ("linears", ()), ("qkv_loader", (4, 2)), ("qkv_loader", (4, 1)),
+    2: [("collectives", ()), ("shm_collectives", ()), ("linears", ()), ("qkv_loader", (4, 2)), ("qkv_loader", (4, 1)),
         ("attention_and_mlp", (2,)), ("attention_and_mlp", (1,)), ("vocab", (259,)),
         ("moe", (1,)), ("moe", (2,))],
-    4: [("collectives", ()), ("linears", ()), ("qkv_loader", (8, 2)),
+    4: [("collectives", ()), ("shm_collectives", ()), ("linears", ()), ("qkv_loader", (8, 2)),
         ("attention_and_mlp", (2,)), ("attention_and_mlp", (4,)), ("vocab", (259,)),
         ("moe", (1,)), ("moe", (2,)), ("moe", (4,))],
 }
@@ -95,6 +95,20 @@ def _assert_ok(world_runs, world: int, name: str, *args) -> None:  # noqa: ANN00
 @pytest.mark.parametrize("world", [2, 4])
 def test_collectives(world_runs, world):
     _assert_ok(world_runs, world, "collectives")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_shared_memory_collectives_equal_gloo_and_the_rank_order_sum(world_runs, world):
+    """Every rank is on this host, so the TP group's collectives take shared memory: 1x576,
+    8x576, 2048x576 and a tensor larger than one slot, float32 and bfloat16."""
+    _assert_ok(world_runs, world, "shm_collectives")
+
+
+def test_shared_memory_all_reduce_with_a_dead_peer_raises(tmp_path):
+    """Never a hang: rank 1 exits, rank 0's all-reduce fails naming it (the check is in the
+    rank: a spawn failure is the test failing)."""
+    mp.spawn(tp_checks.shm_dead_peer_entry, args=(2, str(tmp_path / "init")), nprocs=2,
+             join=True)
 
 
 @pytest.mark.parametrize("world", [2, 4])

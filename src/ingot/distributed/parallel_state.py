@@ -59,9 +59,12 @@ def init_distributed(world_size: int, rank: int, init_method: str, tp_size: int,
         if rank in ranks:
             mine = GroupCoordinator(ranks, rank, group, backend)
     assert mine is not None
+    # Ranks on this host all-reduce through shared memory (gloo between hosts; shm_comm.py).
+    mine.enable_shm(timeout_s=timeout_s)
     _TP = mine
-    logger.info("torch.distributed (%s): rank %d of %d, TP group %s, EP degree %d", backend, rank,
-                world_size, mine.ranks, ep_size)
+    logger.info("torch.distributed (%s): rank %d of %d, TP group %s, EP degree %d, "
+                "TP collectives over %s", backend, rank, world_size, mine.ranks, ep_size,
+                "shared memory" if mine.shm is not None else backend)
     return mine
 
 
@@ -97,6 +100,8 @@ def set_ep_size(size: int | None, this_thread_only: bool = False) -> None:
 
 def destroy_distributed() -> None:
     global _TP, _WORLD, _EP_SIZE
+    if _TP is not None and _TP.shm is not None:
+        _TP.shm.close()
     _TP = _WORLD = None
     _EP_SIZE = 1
     if dist.is_initialized():
