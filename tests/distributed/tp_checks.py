@@ -413,5 +413,62 @@ def model_logits(group: GroupCoordinator, model_dir: str, out_dir: str, tag: str
     return harness.model  # this rank's, for shape checks under the simulated group
 
 
+def sp_model_logits(group: GroupCoordinator, model_dir: str, out_dir: str, tag: str,
+                    prompt_len: int, broken: bool = False) -> None:
+    """The model with sequence-parallel prefill: a prompt of ``prompt_len`` tokens (its
+    prefill in SP layout: one reduce-scatter for the embedding and per row-parallel output)
+    then teacher-forced decode steps (all-reduce), saved as ``out_dir/{tag}.pt`` for the
+    parent to compare with TP=1. Prompts of ``world`` tokens (not more than the ranks) and
+    ``world + 1`` (not a multiple) must raise, naming the bucket flag. ``broken``: every rank
+    keeps the next rank's rows of each reduce-scatter (the comparison must catch it)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
+    from paged_harness import PagedHarness
+
+    w, r = group.world_size, group.rank_in_group
+    parallel_state.set_tp_group(group)
+    parallel_state.set_sequence_parallel(True)
+    try:
+        harness = PagedHarness(model_dir)
+    finally:
+        parallel_state.set_tp_group(None)
+        parallel_state.set_sequence_parallel(None)
+    assert harness.model.model.sequence_parallel
+    calls = []
+    original = group.reduce_scatter
+
+    def counting(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        calls.append(tuple(x.shape))
+        if broken:
+            rows = x.shape[0] // w
+            return group.all_reduce(x.clone()).narrow(0, (r + 1) % w * rows, rows)
+        return original(x, dim)
+
+    group.reduce_scatter = counting
+    try:
+        for bad in (w, w + 1):
+            try:
+                harness.step([(99 + bad, MODEL_PROMPT[:bad], 0)])
+            except ValueError as exc:
+                assert "num_batched_tokens_buckets" in str(exc), exc
+            else:
+                raise AssertionError(f"an SP prefill of {bad} tokens over {w} ranks ran")
+        calls.clear()
+        prompt = (MODEL_PROMPT * 2)[:prompt_len]
+        steps = list(harness.step([(0, prompt, 0)]))
+        layers = harness.hf_config.num_hidden_layers
+        assert calls == [(prompt_len, harness.hf_config.hidden_size)] * (1 + 2 * layers), calls
+        for i, tok in enumerate(MODEL_DECODE):
+            steps += harness.step([(0, [tok], prompt_len + i)])
+        assert len(calls) == 1 + 2 * layers, "decode steps must not reduce-scatter"
+    finally:
+        group.reduce_scatter = original
+    out = torch.cat(steps)
+    torch.testing.assert_close(out, group.broadcast(out.clone(), 0), atol=0, rtol=0)
+    if r == 0:
+        torch.save(out, os.path.join(out_dir, f"{tag}.pt"))
+
+
 MODEL_PROMPT = [3, 17, 92, 45, 200, 11, 8, 250, 77, 5, 133]
 MODEL_DECODE = [5, 9, 200, 31]

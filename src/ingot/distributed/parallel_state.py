@@ -26,6 +26,8 @@ _WORLD: GroupCoordinator | None = None
 # which experts a rank holds. Process-wide (init_distributed sets it), with a per-thread
 # override (get_ep_size).
 _EP_SIZE = 1
+# Sequence-parallel prefill (distributed/sequence_parallel.py), read when the model is built.
+_SEQUENCE_PARALLEL = False
 
 
 def backend_for(device: torch.device) -> str:
@@ -34,13 +36,14 @@ def backend_for(device: torch.device) -> str:
 
 def init_distributed(world_size: int, rank: int, init_method: str, tp_size: int,
                      device: torch.device, timeout_s: float = 600.0,
-                     ep_size: int = 1) -> GroupCoordinator:
+                     ep_size: int = 1, sequence_parallel: bool = False) -> GroupCoordinator:
     """Join the world (``init_method`` is tcp://host:port or file://path) and build the TP
     groups; returns this rank's TP group. ``ep_size``: the MoE layers' expert-parallel degree
     (they re-read the TP group, so no group of their own is needed: one all-reduce over TP
     sums every partial)."""
-    global _TP, _WORLD, _EP_SIZE
+    global _TP, _WORLD, _EP_SIZE, _SEQUENCE_PARALLEL
     _EP_SIZE = ep_size
+    _SEQUENCE_PARALLEL = sequence_parallel
     backend = backend_for(device)
     if (backend == "gloo" and init_method.startswith("file://")
             and "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo")):
@@ -98,8 +101,21 @@ def set_ep_size(size: int | None, this_thread_only: bool = False) -> None:
         _EP_SIZE = size or 1
 
 
+def get_sequence_parallel() -> bool:
+    """Whether models built now run their prefill steps sequence-parallel (with TP > 1)."""
+    override = getattr(_local, "sp", None)
+    return override if override is not None else _SEQUENCE_PARALLEL
+
+
+def set_sequence_parallel(enabled: bool | None) -> None:
+    """Build models on this thread with sequence-parallel prefill on or off (None: back to
+    the process's setting)."""
+    _local.sp = enabled
+
+
 def destroy_distributed() -> None:
-    global _TP, _WORLD, _EP_SIZE
+    global _TP, _WORLD, _EP_SIZE, _SEQUENCE_PARALLEL
+    _SEQUENCE_PARALLEL = False
     if _TP is not None and _TP.shm is not None:
         _TP.shm.close()
     _TP = _WORLD = None

@@ -29,6 +29,7 @@ from torch.nn import functional as F
 from ingot.distributed.group import GroupCoordinator
 from ingot.distributed.layouts import ep_rank_of, local_expert_range
 from ingot.distributed.parallel_state import get_tp_group
+from ingot.distributed.sequence_parallel import reduce_partial
 from ingot.model_executor.layers.linear import (
     ReplicatedLinear,
     shard_of,
@@ -181,9 +182,8 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         out = self.experts(x, weights, ids)
-        if self.tp_group.world_size > 1:
-            self.tp_group.all_reduce(out)
-        return out
+        # All-reduced; in a sequence-parallel prefill reduce-scattered to this rank's rows.
+        return reduce_partial(out, self.tp_group)
 
     def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum over its experts (and its intermediate slice) of

@@ -1,0 +1,81 @@
+"""Sequence-parallel (SP) prefill under tensor parallelism (spec §1).
+
+In a prefill step the residual stream lives in SP layout: rank r holds rows
+``[r*T/TP, (r+1)*T/TP)`` of ``[T, H]``. The embedding's partial rows are reduce-scattered into
+it; each layer's norms and residual adds run on the rank's rows only, the layer all-gathers
+``[T, H]`` before attention and before the MLP (or MoE, whose routing needs every token), and
+the row-parallel outputs are reduce-scattered back, one collective that both sums the partials
+and returns to SP. The final norm runs on ``[T/TP, H]`` and an all-gather gives the full rows
+before the logits. Decode steps keep the all-reduce.
+
+The model enters :func:`sequence_parallel` for a prefill step; the layers that end in a partial
+sum (row-parallel linears, the vocab-parallel embedding, the MoE block) reduce through
+:func:`reduce_partial`, which reads that per-thread state, so the same modules serve both
+layouts (and the simulated group's rank threads each have their own).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from ingot.distributed.group import GroupCoordinator
+
+_state = threading.local()
+
+
+def check_sp_tokens(num_tokens: int, world_size: int) -> None:
+    """The spec's constraint on an SP prefill of ``num_tokens`` rows: more rows than ranks,
+    and a whole number of rows per rank."""
+    if num_tokens <= world_size or num_tokens % world_size:
+        raise ValueError(
+            f"sequence-parallel prefill needs more tokens than TP ranks and a multiple of them: "
+            f"{num_tokens} tokens over {world_size} ranks (prefill buckets, "
+            "additional_config.num_batched_tokens_buckets, must be divisible by "
+            "tensor_parallel_size)"
+        )
+
+
+@contextmanager
+def sequence_parallel(group: GroupCoordinator, num_tokens: int) -> Iterator[None]:
+    """Run a prefill of ``num_tokens`` rows in SP layout over ``group`` on this thread."""
+    check_sp_tokens(num_tokens, group.world_size)
+    previous = getattr(_state, "group", None)
+    _state.group = group
+    try:
+        yield
+    finally:
+        _state.group = previous
+
+
+def sp_group() -> GroupCoordinator | None:
+    """The group of the SP step running on this thread (None: not in SP)."""
+    return getattr(_state, "group", None)
+
+
+def reduce_partial(x: torch.Tensor, group: GroupCoordinator) -> torch.Tensor:
+    """A partial sum over ``group`` (row-parallel output, vocab-sharded rows): all-reduced to
+    the full ``[T, ...]`` (in place), or in an SP step reduce-scattered to this rank's rows."""
+    if group.world_size == 1:
+        return x
+    if sp_group() is group:
+        return group.reduce_scatter(x, dim=0)
+    return group.all_reduce(x)
+
+
+def gather_tokens(x: torch.Tensor) -> torch.Tensor:
+    """The full ``[T, ...]`` from this rank's SP rows (outside SP: ``x`` itself)."""
+    group = sp_group()
+    return x if group is None else group.all_gather(x, dim=0)
+
+
+def local_tokens(x: torch.Tensor) -> torch.Tensor:
+    """This rank's SP rows of a full ``[T, ...]`` every rank holds (outside SP: ``x``)."""
+    group = sp_group()
+    if group is None:
+        return x
+    rows = x.shape[0] // group.world_size
+    return x.narrow(0, group.rank_in_group * rows, rows)
