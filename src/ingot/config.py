@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ingot.core.buckets import BucketGrid
+from ingot.distributed.sequence_parallel import sequence_parallel_prefill
 from ingot.errors import ModelNotFoundError
 
 logger = logging.getLogger("ingot")
@@ -55,6 +56,7 @@ KNOWN_ADDITIONAL_CONFIG = {
     "calibrate_kv_scales",
     "max_num_prefills_per_step",
     "ep_degree",  # expert-parallel degree (spec §3; validated, not built yet)
+    "sequence_parallel_prefill",  # TP prefill in [T/TP, H] layout (spec §1)
 }
 # Prompts packed into one prefill step by default (eager layers). Chosen by measurement on the
 # project's CPU (docs/PERFORMANCE.md, "Packed prefill"); 1 is the original design's rule.
@@ -158,6 +160,9 @@ class ParallelConfig:
     enable_expert_parallel: bool = False
     #: Expert-parallel degree of the MoE layers (1: experts split by TP; spec §3).
     ep_degree: int = 1
+    #: Prefill steps in sequence-parallel layout (additional_config.sequence_parallel_prefill;
+    #: distributed/sequence_parallel.py). Only with TP > 1.
+    sequence_parallel_prefill: bool = False
 
     @property
     def world_size(self) -> int:
@@ -605,17 +610,17 @@ class EngineArgs:
         cpu_threads = CpuThreadsConfig(self.cpu_threads, self.cpu_threads_bind,
                                        bool(self.cpu_adaptive_threads))
         if platform.name == "cpu":  # bad thread settings fail here, before the model loads
-            from ingot.platforms.cpu_threads import BIND_ENV, detect_cpu_budget, plan_threads
+            from ingot.platforms.cpu_threads import (
+                BIND_ENV,
+                detect_cpu_budget,
+                plan_threads,
+                rank_bind_lists,
+            )
 
             bind = self.cpu_threads_bind or os.environ.get(BIND_ENV, "")
             if tp > 1 and "|" in bind:  # one list per rank (worker.rank_thread_config)
-                parts = bind.split("|")
-                if len(parts) != tp:
-                    raise ValueError(
-                        f"CPU bind list {bind!r} has {len(parts)} parts for "
-                        f"tensor_parallel_size {tp}; give one list per rank, separated by '|'"
-                    )
-                for part in parts:
+                what = "--cpu-threads-bind" if self.cpu_threads_bind else BIND_ENV
+                for part in rank_bind_lists(bind, tp, what):
                     plan_threads(detect_cpu_budget(), {}, self.cpu_threads, part)
             else:
                 plan_threads(detect_cpu_budget(), os.environ, self.cpu_threads,
@@ -670,7 +675,9 @@ class EngineArgs:
                 enable_expert_parallel=bool(self.enable_expert_parallel),
                 # Default ep_degree: the world (TP x DP, DP being 1 so far).
                 ep_degree=(additional_config.get("ep_degree") or tp)
-                if self.enable_expert_parallel else 1),
+                if self.enable_expert_parallel else 1,
+                sequence_parallel_prefill=sequence_parallel_prefill(additional_config, tp,
+                                                                    buckets)),
             device=platform.name,
             additional_config=additional_config,
             buckets=buckets,

@@ -232,3 +232,12 @@ def test_cpu_ranks_plan_the_kv_cache_with_their_share_of_memory(tiny_llama_dir, 
     with pytest.raises(ValueError, match="below the minimum"):
         plan_num_blocks(config, gib, 0, torch.float32)
     assert plan_num_blocks(config, 4 * gib, 0, torch.float32, ranks_sharing=4) > 0
+
+
+def test_rank_bind_lists_must_not_share_cpus(tiny_llama_dir, monkeypatch):
+    from ingot.platforms.cpu_threads import BIND_ENV
+
+    monkeypatch.setenv(BIND_ENV, "0-1|1")
+    with pytest.raises(ValueError, match="VLLM_CPU_OMP_THREADS_BIND='0-1|1': CPU 1 is in the "
+                                         "lists of ranks 0 and 1"):
+        _args(tiny_llama_dir, tensor_parallel_size=2).create_engine_config()

@@ -101,6 +101,15 @@ def set_ep_size(size: int | None, this_thread_only: bool = False) -> None:
         _EP_SIZE = size or 1
 
 
+def tp_collectives() -> str | None:
+    """What carries this process's TP collectives: "shm" (shared memory), the backend's name,
+    or None with one rank."""
+    group = get_tp_group()
+    if group.world_size == 1:
+        return None
+    return "shm" if group.shm is not None else group.backend
+
+
 def get_sequence_parallel() -> bool:
     """Whether models built now run their prefill steps sequence-parallel (with TP > 1)."""
     override = getattr(_local, "sp", None)

@@ -19,12 +19,43 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
 from ingot.distributed.group import GroupCoordinator
 
 _state = threading.local()
+
+#: additional_config key; off by default (docs/parallelism.md: on this project's 2-core CPU the
+#: extra all-gathers cost more than the rows the norms skip).
+CONFIG_KEY = "sequence_parallel_prefill"
+
+
+def sequence_parallel_prefill(additional_config: dict[str, Any], tp: int, buckets: Any) -> bool:
+    """Whether prefill steps run sequence-parallel, validated at start-up: a boolean; with
+    TP > 1 it needs bucketing (every prefill step then has a bucket's token count) and every
+    prefill bucket above TP and divisible by it. ``buckets``: the engine's core.buckets.BucketGrid."""
+    value = additional_config.get(CONFIG_KEY, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"additional_config.{CONFIG_KEY} must be true or false, got {value!r}")
+    if not value or tp == 1:
+        return False
+    if not buckets.enabled:
+        raise ValueError(
+            f"additional_config.{CONFIG_KEY} needs enable_bucketing (each prefill step's token "
+            f"count must split over the {tp} TP ranks); turn bucketing on or drop "
+            f"{CONFIG_KEY}"
+        )
+    bad = [b for b in buckets.num_batched_tokens_buckets if b <= tp or b % tp]
+    if bad:
+        raise ValueError(
+            f"additional_config.{CONFIG_KEY}: prefill buckets {bad} do not split over "
+            f"tensor_parallel_size {tp} (each must be a multiple of it, and larger); change "
+            "additional_config.num_batched_tokens_buckets (its last entry is "
+            "min(max_num_batched_tokens, max_model_len)) or drop the key"
+        )
+    return True
 
 
 def check_sp_tokens(num_tokens: int, world_size: int) -> None:

@@ -126,6 +126,7 @@ class ShmCommunicator:
         self._slots = data.view(2, world_size, slot_bytes)
         self.seq = 0  # rounds done; the flags hold it
         self.rounds = 0  # for tests and the benchmark: collectives that went through here
+        self._acc: torch.Tensor | None = None  # float32 scratch for half-type sums
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -231,8 +232,13 @@ class ShmCommunicator:
     def _sum_into(self, out: torch.Tensor, numel: int, start: int = 0) -> None:
         """``out`` = the slots' elements ``[start, start + numel)`` summed in rank order."""
         parts = [self._slot(j, out.dtype, start + numel)[start:] for j in range(self.world_size)]
-        if out.dtype in (torch.bfloat16, torch.float16):
-            acc = parts[0].float()
+        if out.dtype in (torch.bfloat16, torch.float16) and len(parts) > 2:
+            # float32 accumulation, rounded once (with two parts a half-type add is exactly
+            # that: it adds in float32 and rounds).
+            if self._acc is None or self._acc.numel() < numel:
+                self._acc = torch.empty(max(numel, 1 << 16), dtype=torch.float32)
+            acc = self._acc[:numel]
+            acc.copy_(parts[0])
             for p in parts[1:]:
                 acc += p
             out.copy_(acc)

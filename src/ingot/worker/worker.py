@@ -19,6 +19,7 @@ from ingot.config import EngineConfig
 from ingot.core.kv_cache_manager import cdiv
 from ingot.core.sched_output import SchedulerOutput
 from ingot.distributed.layouts import kv_heads_per_rank
+from ingot.distributed.parallel_state import tp_collectives
 from ingot.model_executor.layers.linear import resident_weight_bytes
 from ingot.model_executor.loader.model_loader import load_model
 from ingot.model_executor.models.llama import head_dim_of
@@ -196,16 +197,13 @@ def rank_thread_config(config: EngineConfig, rank: int) -> EngineConfig:
     world = config.parallel_config.world_size
     if world == 1:
         return config
-    from ingot.platforms.cpu_threads import BIND_ENV, detect_cpu_budget
+    from ingot.platforms.cpu_threads import BIND_ENV, detect_cpu_budget, rank_bind_lists
 
     threads = config.cpu_threads
     bind = threads.bind if threads.bind is not None else os.environ.get(BIND_ENV, "").strip()
     if bind and "|" in bind:
-        parts = bind.split("|")
-        if len(parts) != world:
-            raise ValueError(f"CPU bind list {bind!r} has {len(parts)} parts for {world} ranks; "
-                             "give one list per rank, separated by '|'")
-        threads = dataclasses.replace(threads, bind=parts[rank])
+        what = "--cpu-threads-bind" if threads.bind is not None else BIND_ENV
+        threads = dataclasses.replace(threads, bind=rank_bind_lists(bind, world, what)[rank])
     elif threads.threads is None and not bind and not os.environ.get("OMP_NUM_THREADS"):
         threads = dataclasses.replace(threads, threads=max(1, detect_cpu_budget().usable // world))
     return dataclasses.replace(config, cpu_threads=threads)
@@ -235,7 +233,8 @@ class Worker:
             # The model's layers size their shards from the TP group built here.
             init_distributed(parallel.world_size, rank, distributed_init_method,
                              parallel.tensor_parallel_size, self.device,
-                             ep_size=parallel.ep_degree)
+                             ep_size=parallel.ep_degree,
+                             sequence_parallel=parallel.sequence_parallel_prefill)
         # CPU compute threads: count, binding, adaptivity (platforms/cpu_threads.py).
         self.cpu_threads = (start_cpu_threads(rank_thread_config(config, rank))
                             if self.device.type == "cpu" else None)
@@ -314,6 +313,11 @@ class Worker:
             "warmup_seconds": self.warmup_seconds,
             "num_blocks": self.num_blocks,
             "pid": os.getpid(),
+            # TP: what carries the collectives ("shm", "gloo", "nccl"; None with one rank)
+            # and whether prefill runs sequence-parallel.
+            "tp_collectives": tp_collectives(),
+            "sequence_parallel_prefill": bool(getattr(getattr(self.model, "model", None),
+                                                      "sequence_parallel", False)),
         }
 
     def runtime_stats(self) -> dict[str, Any]:
