@@ -121,12 +121,14 @@ class ShmCommunicator:
         flags_bytes = world_size * _LINE
         self._flags = memoryview(mm)[:flags_bytes].cast("q")  # flag of rank j: [j * 8]
         self._stride = _LINE // 8
+        self._flag_index = [j * self._stride for j in range(world_size)]
         data = torch.frombuffer(mm, dtype=torch.uint8, offset=flags_bytes,
                                 count=2 * world_size * slot_bytes)
         self._slots = data.view(2, world_size, slot_bytes)
         self.seq = 0  # rounds done; the flags hold it
         self.rounds = 0  # for tests and the benchmark: collectives that went through here
         self._acc: torch.Tensor | None = None  # float32 scratch for half-type sums
+        self._view_cache: dict[tuple, list[torch.Tensor]] = {}
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -192,22 +194,36 @@ class ShmCommunicator:
 
     # -- one round ------------------------------------------------------------------------
 
+    def _views(self, dtype: torch.dtype, numel: int, start: int = 0) -> list[torch.Tensor]:
+        """Every rank's slot of this round as ``numel`` elements of ``dtype`` from ``start``.
+        Cached: a decode step's collectives repeat a few shapes, and making the views costs
+        more than the copies of such small tensors."""
+        key = (self.seq & 1, dtype, numel, start)
+        views = self._view_cache.get(key)
+        if views is None:
+            if len(self._view_cache) > 256:
+                self._view_cache.clear()
+            views = [self._slots[key[0], j].view(dtype)[start : start + numel]
+                     for j in range(self.world_size)]
+            self._view_cache[key] = views
+        return views
+
     def _slot(self, rank: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        return self._slots[self.seq & 1, rank].view(dtype)[:numel]
+        return self._views(dtype, numel)[rank]
 
     def _begin(self) -> None:
         self.seq += 1
         self.rounds += 1
 
     def _publish_and_wait(self) -> None:
-        seq, flags, stride = self.seq, self._flags, self._stride
-        flags[self.rank_in_group * stride] = seq
-        ranks = range(self.world_size)
+        seq, flags = self.seq, self._flags
+        flags[self.rank_in_group * self._stride] = seq
+        slots = self._flag_index
         for _ in range(_SPINS):
-            if all(flags[j * stride] >= seq for j in ranks):
+            if min([flags[j] for j in slots]) >= seq:
                 return
         start = last_check = time.monotonic()
-        while not all(flags[j * stride] >= seq for j in ranks):
+        while min([flags[j] for j in slots]) < seq:
             os.sched_yield()
             now = time.monotonic()
             if now - last_check > _LIVENESS_S:
@@ -231,7 +247,7 @@ class ShmCommunicator:
 
     def _sum_into(self, out: torch.Tensor, numel: int, start: int = 0) -> None:
         """``out`` = the slots' elements ``[start, start + numel)`` summed in rank order."""
-        parts = [self._slot(j, out.dtype, start + numel)[start:] for j in range(self.world_size)]
+        parts = self._views(out.dtype, numel, start)
         if out.dtype in (torch.bfloat16, torch.float16) and len(parts) > 2:
             # float32 accumulation, rounded once (with two parts a half-type add is exactly
             # that: it adds in float32 and rounds).
@@ -251,7 +267,14 @@ class ShmCommunicator:
         """Sum over the group into ``x`` (in place), in slot-sized pieces."""
         flat = x.view(-1)
         per = self.slot_bytes // x.element_size()
-        for i in range(0, flat.numel(), per):
+        n = flat.numel()
+        if n <= per:  # one piece (every decode step)
+            self._begin()
+            self._views(x.dtype, n)[self.rank_in_group].copy_(flat)
+            self._publish_and_wait()
+            self._sum_into(flat, n)
+            return x
+        for i in range(0, n, per):
             piece = flat[i : i + per]
             self._begin()
             self._slot(self.rank_in_group, x.dtype, piece.numel()).copy_(piece)
@@ -304,6 +327,7 @@ class ShmCommunicator:
         self._publish_and_wait()
 
     def close(self) -> None:
+        self._view_cache.clear()
         self._flags.release()
         self._slots = None  # type: ignore[assignment]
         try:
