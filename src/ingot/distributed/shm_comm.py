@@ -160,7 +160,12 @@ class ShmCommunicator:
                 path[0] = name
             except OSError as exc:
                 path[0] = f"error: cannot create {name}: {exc}"
+        # Rank 0's slot size is the group's (a rank with another INGOT_CPU_SHM_SLOT_MB must
+        # still lay the segment out alike).
+        path.append(slot)
         dist.broadcast_object_list(path, src=ranks[0], group=device_group)
+        slot = path[1]
+        size = world_size * _LINE + 2 * world_size * slot
         mm: mmap.mmap | None = None
         error = path[0] if path[0].startswith("error:") else None
         if error is None:
@@ -189,7 +194,7 @@ class ShmCommunicator:
 
     @staticmethod
     def _declined(why: str) -> None:
-        logger.info("TP collectives over gloo (no shared memory: %s)", why)
+        logger.info("TP collectives over torch.distributed (no shared memory: %s)", why)
         return None
 
     # -- one round ------------------------------------------------------------------------
