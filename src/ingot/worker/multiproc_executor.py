@@ -129,6 +129,7 @@ class MultiprocExecutor(Executor):
         self._inboxes = []
         self._procs = []
         self._dead: str | None = None
+        self._early: dict[int, deque[Any]] = {}  # replies to calls after the one gathered
         # Calls sent whose replies are not collected yet, oldest first.
         self._pending: deque[tuple[_Reply, str, Callable[[list[Any]], Any]]] = deque()
         spawn = multiprocessing.get_context("spawn")
@@ -156,6 +157,11 @@ class MultiprocExecutor(Executor):
 
     def _gather(self, timeout: float | None = None, what: str = "call") -> list[Any]:
         replies: dict[int, Any] = {}
+        # A rank can answer the next call before another rank's answer to this one arrives
+        # (a step without collectives, sent ahead under async scheduling): keep it for then.
+        for rank, early in self._early.items():
+            if early:
+                replies[rank] = early.popleft()
         deadline = None if timeout is None else time.monotonic() + timeout
         while len(replies) < self.world_size:
             if self._results.poll(int(_POLL_S * 1000)):
@@ -163,7 +169,10 @@ class MultiprocExecutor(Executor):
                 if status == "error":
                     self._dead = f"worker rank {rank} failed: {value}"
                     raise WorkerProcessError(f"worker rank {rank} failed during {what}:\n{value}")
-                replies[rank] = value
+                if rank in replies:
+                    self._early.setdefault(rank, deque()).append(value)
+                else:
+                    replies[rank] = value
                 continue
             self.check_health()
             if deadline is not None and time.monotonic() > deadline:
