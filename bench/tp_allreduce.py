@@ -3,8 +3,8 @@
 Spawns ``--world`` ranks (one compute thread each, gloo over loopback, a file rendezvous) that
 all-reduce decode-sized ([1, 576], [8, 576]) and prefill-sized ([2048, 576]) tensors in float32
 and bfloat16 through the group's two paths, alternating the paths in rounds (A B A B ...), and
-prints the median time per all-reduce of each, its bus bandwidth (the bytes of the tensor over
-the time) and the ratio, measured in the same run.
+prints the median time per all-reduce of each, a bandwidth (the tensor's bytes over that time)
+and the ratio, measured in the same run.
 
     .venv/bin/python bench/tp_allreduce.py [--world 2] [--rounds 5] [--iters 200]
 """
