@@ -158,11 +158,18 @@ class ParallelConfig:
     enable_expert_parallel: bool = False
     #: Expert-parallel degree of the MoE layers (1: experts split by TP; spec §3).
     ep_degree: int = 1
+    #: Which replica this engine core is (set in each data-parallel engine process).
+    data_parallel_rank: int = 0
 
     @property
     def world_size(self) -> int:
-        """Worker processes (ranks): TP x DP (rank = dp_rank * TP + tp_rank)."""
+        """Worker processes (ranks) of all replicas: TP x DP (rank = dp_rank * TP + tp_rank).
+        On one host they share its CPUs and memory (worker.rank_thread_config, the KV plan)."""
         return self.tensor_parallel_size * self.data_parallel_size
+
+    def global_rank(self, tp_rank: int) -> int:
+        """The global rank of this replica's TP rank ``tp_rank`` (spec §0)."""
+        return self.data_parallel_rank * self.tensor_parallel_size + tp_rank
 
 
 @dataclass
@@ -444,8 +451,8 @@ class EngineArgs:
     cache_dir: str | None = None  # compile cache root (default $INGOT_CACHE_ROOT, ~/.cache/ingot)
     # vLLM's names. None: "uni" for one worker, "mp" for several.
     distributed_executor_backend: str | None = None
-    # Parallelism (vLLM's names; docs/parallelism.md). DP, PP and EP are validated and then
-    # refused as not built yet.
+    # Parallelism (vLLM's names; docs/parallelism.md). PP, and EP with DP, are validated and
+    # then refused as not built yet.
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -608,12 +615,14 @@ class EngineArgs:
             from ingot.platforms.cpu_threads import BIND_ENV, detect_cpu_budget, plan_threads
 
             bind = self.cpu_threads_bind or os.environ.get(BIND_ENV, "")
-            if tp > 1 and "|" in bind:  # one list per rank (worker.rank_thread_config)
+            world = tp * self.data_parallel_size
+            if world > 1 and "|" in bind:  # one list per rank (worker.rank_thread_config)
                 parts = bind.split("|")
-                if len(parts) != tp:
+                if len(parts) != world:
                     raise ValueError(
-                        f"CPU bind list {bind!r} has {len(parts)} parts for "
-                        f"tensor_parallel_size {tp}; give one list per rank, separated by '|'"
+                        f"CPU bind list {bind!r} has {len(parts)} parts for {world} ranks "
+                        f"(tensor_parallel_size {tp} x data_parallel_size "
+                        f"{self.data_parallel_size}); give one list per rank, separated by '|'"
                     )
                 for part in parts:
                     plan_threads(detect_cpu_budget(), {}, self.cpu_threads, part)
@@ -667,9 +676,10 @@ class EngineArgs:
             ),
             parallel_config=ParallelConfig(
                 distributed_executor_backend=backend, tensor_parallel_size=tp,
+                data_parallel_size=self.data_parallel_size,
                 enable_expert_parallel=bool(self.enable_expert_parallel),
-                # Default ep_degree: the world (TP x DP, DP being 1 so far).
-                ep_degree=(additional_config.get("ep_degree") or tp)
+                # Default ep_degree: the world (TP x DP).
+                ep_degree=(additional_config.get("ep_degree") or tp * self.data_parallel_size)
                 if self.enable_expert_parallel else 1),
             device=platform.name,
             additional_config=additional_config,
@@ -732,7 +742,7 @@ class EngineArgs:
     def _parallel_sizes(self, hf_config: Any, additional_config: dict[str, Any],
                         model_cls: type, runner: str) -> int:
         """Validate the parallel flags (distributed/layouts.py has the §1-3 rules); returns
-        the tensor-parallel size, the only degree built so far."""
+        the tensor-parallel size (each data-parallel replica's)."""
         from ingot.distributed.layouts import ParallelSizes, validate_parallel_sizes
 
         sizes = ParallelSizes(

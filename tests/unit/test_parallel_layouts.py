@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -108,7 +109,8 @@ MOE = SimpleNamespace(num_attention_heads=8, num_key_value_heads=4, intermediate
      SimpleNamespace(num_attention_heads=8, num_key_value_heads=4, intermediate_size=6,
                      num_local_experts=8), "intermediate_size \\(6\\) does not split over 4"),
     # Valid requests for what is not built yet: refused, never ignored.
-    (ParallelSizes(data_parallel_size=2), DENSE, "data_parallel_size > 1 is not supported yet"),
+    (ParallelSizes(tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True),
+     MOE, "across the replicas\\) is not supported yet"),
     (ParallelSizes(pipeline_parallel_size=2), DENSE, "pipeline_parallel_size"),
 ])
 def test_validation_names_the_flag(sizes, hf, match):
@@ -118,6 +120,8 @@ def test_validation_names_the_flag(sizes, hf, match):
 
 def test_valid_tensor_parallel_sizes_pass():
     validate_parallel_sizes(ParallelSizes(tensor_parallel_size=2), DENSE)
+    validate_parallel_sizes(ParallelSizes(tensor_parallel_size=2, data_parallel_size=2), DENSE)
+    validate_parallel_sizes(ParallelSizes(data_parallel_size=3), MOE)  # TP of experts per replica
     validate_parallel_sizes(ParallelSizes(tensor_parallel_size=8), DENSE)  # KV replicated
     # Expert parallelism over the TP group (DP 1): full, and ep_degree 2 inside TP 4.
     validate_parallel_sizes(ParallelSizes(tensor_parallel_size=2, enable_expert_parallel=True),
@@ -143,6 +147,14 @@ def test_engine_args_resolve_tensor_parallel(tiny_llama_dir):
     assert not config.compilation.enabled and not config.compilation.cuda_graphs
     one = _args(tiny_llama_dir).create_engine_config().parallel_config
     assert (one.world_size, one.distributed_executor_backend) == (1, "uni")
+    # Data parallelism: each replica's workers; TP 1 runs in the replica's own process.
+    dp = _args(tiny_llama_dir, data_parallel_size=2).create_engine_config().parallel_config
+    assert (dp.data_parallel_size, dp.world_size, dp.distributed_executor_backend) == \
+        (2, 2, "uni")
+    both = _args(tiny_llama_dir, data_parallel_size=2, tensor_parallel_size=2)
+    par = both.create_engine_config().parallel_config
+    assert (par.world_size, par.distributed_executor_backend, par.global_rank(1)) == (4, "mp", 1)
+    assert dataclasses.replace(par, data_parallel_rank=1).global_rank(1) == 3
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -151,7 +163,8 @@ def test_engine_args_resolve_tensor_parallel(tiny_llama_dir):
      "--distributed-executor-backend mp"),
     (dict(tensor_parallel_size=2, compile=True), "drop --compile"),
     (dict(tensor_parallel_size=2, runner="pooling"), "--runner pooling"),
-    (dict(data_parallel_size=2), "not supported yet"),
+    (dict(data_parallel_size=0), "data_parallel_size must be a positive integer"),
+    (dict(data_parallel_size=2, cpu_threads_bind="0|1|0"), "3 parts for 2 ranks"),
     (dict(additional_config={"ep_degree": 2}), "--enable-expert-parallel"),
     (dict(enable_expert_parallel=True), "mixture-of-experts"),
     (dict(tensor_parallel_size=2, cpu_threads_bind="0|1|0"), "one list per rank"),

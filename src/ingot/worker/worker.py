@@ -220,24 +220,27 @@ class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0,
                  distributed_init_method: str | None = None) -> None:
         self.config = config
-        self.rank = rank
+        self.rank = rank  # in this replica's TP group
+        parallel = config.parallel_config
+        # Ranks of all data-parallel replicas share the host: the CPU and GPU plans use this.
+        self.global_rank = parallel.global_rank(rank)
         self.platform = resolve_platform(config.device)
         self.device = self.platform.device()
-        parallel = config.parallel_config
-        if parallel.world_size > 1:
+        if self.device.type == "cuda" and parallel.world_size > 1:  # one GPU per rank
+            self.device = torch.device("cuda", self.global_rank % max(1, torch.cuda.device_count()))
+            torch.cuda.set_device(self.device)
+        if parallel.tensor_parallel_size > 1:
             from ingot.distributed.parallel_state import init_distributed
 
-            if self.device.type == "cuda":  # one GPU per rank
-                self.device = torch.device("cuda", rank % max(1, torch.cuda.device_count()))
-                torch.cuda.set_device(self.device)
             if distributed_init_method is None:
                 raise ValueError("a worker of several ranks needs distributed_init_method")
-            # The model's layers size their shards from the TP group built here.
-            init_distributed(parallel.world_size, rank, distributed_init_method,
+            # The model's layers size their shards from the TP group built here. Without
+            # expert parallelism the replicas never communicate: each TP group is a world.
+            init_distributed(parallel.tensor_parallel_size, rank, distributed_init_method,
                              parallel.tensor_parallel_size, self.device,
                              ep_size=parallel.ep_degree)
         # CPU compute threads: count, binding, adaptivity (platforms/cpu_threads.py).
-        self.cpu_threads = (start_cpu_threads(rank_thread_config(config, rank))
+        self.cpu_threads = (start_cpu_threads(rank_thread_config(config, self.global_rank))
                             if self.device.type == "cpu" else None)
         torch.manual_seed(config.model_config.seed)
         start = time.perf_counter()
@@ -257,7 +260,7 @@ class Worker:
         )
         self.profiler = StepProfiler(
             ProfilerConfig.from_dict(config.additional_config.get("profiler")),
-            rank=rank,
+            rank=self.global_rank,
             device_type=self.device.type,
         )
         self.kv_dtype = config.cache_config.torch_dtype(config.model_config.dtype)

@@ -1,0 +1,326 @@
+"""Data parallelism (spec §2): ``data_parallel_size`` independent engine cores, each in its own
+process with its own scheduler, KV cache and executor (its TP group), behind one front end.
+
+``DPEngineCoreClient`` stands where ``LLMEngine`` keeps its ``EngineCore``: the same methods
+(``add_request``, ``step``, ``finish_requests``, stats, RPCs), so the offline ``LLM``, the async
+engine and the server run unchanged on N replicas. Tokenizing, detokenizing and stop strings
+stay in the front end; each engine process runs its own step loop and streams its outputs back,
+so one replica can prefill while another decodes. Nothing synchronises the replicas (without
+expert parallelism nothing should: their steps have unrelated shapes).
+
+A new request goes to the replica with the fewest unfinished requests (ties: round robin), as
+vLLM's front end balances by queue length. Processes and sockets are the multiprocess
+executor's (``ChildProcesses``): a replica that fails or exits is reported by its rank, in
+start-up within ``INGOT_WORKER_STARTUP_TIMEOUT_S`` and while serving within ``_POLL_S``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import pickle
+import threading
+import traceback
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import zmq
+
+from ingot.config import EngineConfig
+from ingot.core.outputs import EngineCoreOutput
+from ingot.core.request import Request, RequestStatus
+from ingot.engine.sampling_params import SamplingParams
+from ingot.metrics.stats import BucketStats
+from ingot.worker.executor import RpcMethod
+from ingot.worker.multiproc_executor import (
+    STARTUP_TIMEOUT_S,
+    ChildProcesses,
+    WorkerProcessError,
+    _watch_parent,
+)
+
+logger = logging.getLogger("ingot")
+
+_POLL_S = 0.02  # how long step() waits for a replica's outputs before it returns
+_IDLE_POLL_S = 0.1  # how long an idle replica waits for a command
+
+
+def replica_config(config: EngineConfig, dp_rank: int) -> EngineConfig:
+    """The config of replica ``dp_rank``: the same model and limits (``max_num_seqs`` is per
+    replica), its own rank, so its workers are global ranks ``dp_rank * TP + i``."""
+    return dataclasses.replace(
+        config, parallel_config=dataclasses.replace(config.parallel_config,
+                                                    data_parallel_rank=dp_rank))
+
+
+def _engine_main(config: EngineConfig, dp_rank: int, in_addr: str, out_addr: str,
+                 parent_pid: int, log_level: int) -> None:
+    """One replica: an EngineCore and its step loop. Messages in: ``(kind, payload)``; out:
+    ``(dp_rank, status, value)`` with status "ready", "outputs" (outputs, stats), "rpc"
+    (call id, result), "error" (a traceback: the replica is gone)."""
+    logging.basicConfig(level=log_level,
+                        format=f"%(asctime)s %(levelname)s [dp {dp_rank}] %(message)s")
+    logging.getLogger("ingot").setLevel(log_level)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(in_addr)
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.connect(out_addr)
+
+    def reply(status: str, value: Any) -> None:
+        outbox.send(pickle.dumps((dp_rank, status, value), protocol=pickle.HIGHEST_PROTOCOL))
+
+    try:
+        from ingot.engine.core import EngineCore
+        from ingot.engine.tokenizer import load_tokenizer
+
+        core = EngineCore(config, load_tokenizer(config.model_config))
+        reply("ready", core.get_stats())
+        while True:
+            busy = core.has_pending_work()
+            while inbox.poll(0 if busy else int(_IDLE_POLL_S * 1000)):
+                kind, payload = pickle.loads(inbox.recv())
+                if kind == "add":
+                    core.add_request(payload)
+                elif kind == "finish":
+                    core.finish_requests(*payload)
+                elif kind == "rpc":
+                    call_id, method, args, kwargs = payload
+                    try:
+                        result: Any = ("ok", _core_call(core, method, args, kwargs))
+                    except Exception as exc:  # noqa: BLE001 - the caller raises it
+                        result = ("error", exc)
+                    reply("rpc", (call_id, result))
+                elif kind == "shutdown":
+                    core.shutdown()
+                    reply("rpc", (payload, ("ok", None)))
+                    return
+                busy = core.has_pending_work()
+            if busy:
+                outputs = core.step()
+                if outputs:
+                    reply("outputs", (outputs, core.get_stats()))
+    except BaseException:  # noqa: BLE001 - reported to the front end, which fails requests
+        reply("error", traceback.format_exc())
+
+
+def _core_call(core: Any, method: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """An RPC to a replica: an EngineCore method (``get_stats``, ``reset_prefix_cache``, ...)
+    or, under ``worker:``, its workers' ``collective_rpc``."""
+    if method.startswith("worker:"):
+        return core.collective_rpc(method[len("worker:"):], args, kwargs)
+    return getattr(core, method)(*args, **kwargs)
+
+
+def merge_stats(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """One engine's stats over all replicas: counts summed, ratios recomputed from the sums;
+    each replica's own under ``dp_ranks`` (the server exports them labelled by rank)."""
+    first = per_rank[0]
+    total = {key: sum(s[key] for s in per_rank) for key in (
+        "num_running", "num_waiting", "max_kv_concurrent", "total_padding_tokens",
+        "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "prefix_cache_queries",
+        "prefix_cache_hits", "num_steps", "async_steps", "sync_fallback_steps",
+        "num_runner_requests")}
+    threads = [s["cpu_compute_threads"] for s in per_rank if s["cpu_compute_threads"] is not None]
+    total["cpu_compute_threads"] = sum(threads) if threads else None
+    states = {s["scheduler_state"] for s in per_rank}
+    total["scheduler_state"] = first["scheduler_state"] if len(states) == 1 else "mixed"
+    total["kv_usage"] = total["kv_blocks_used"] / max(total["kv_blocks_total"], 1)
+    total["prefix_cache_hit_rate"] = (total["prefix_cache_hits"]
+                                      / max(total["prefix_cache_queries"], 1))
+    total["buckets"] = BucketStats.merged([s["buckets"] for s in per_rank])
+    total["compilation"] = {key: sum(s["compilation"].get(key, 0) for s in per_rank)
+                            for key in first["compilation"]
+                            if isinstance(first["compilation"][key], int | float)}
+    total["async_scheduling"] = first["async_scheduling"]
+    spec = [s["spec_decode"] for s in per_rank if s["spec_decode"] is not None]
+    total["spec_decode"] = spec[0].merged(spec[1:]) if spec else None
+    total["dp_ranks"] = per_rank
+    return total
+
+
+class DPEngineCoreClient:
+    """The front end's handle on N engine-core processes (``EngineCore``'s interface)."""
+
+    workers_are_local = False
+
+    def __init__(self, config: EngineConfig, tokenizer: Any | None = None) -> None:
+        from ingot.structured_output.manager import StructuredOutputManager
+
+        self.config = config
+        self.dp_size = config.parallel_config.data_parallel_size
+        self._children = ChildProcesses(
+            self.dp_size, _engine_main, lambda r: (replica_config(config, r), r),
+            "data-parallel rank", "ingot-dp-")
+        try:
+            self._stats = self._children.wait_started(STARTUP_TIMEOUT_S)
+        except BaseException:
+            self._children.close()
+            raise
+        logger.info("data parallelism: %d engine-core processes started", self.dp_size)
+        # Grammars compile here too, so a bad one is refused before a request starts (the
+        # server's check); each replica compiles (and caches) its own for its requests.
+        self.structured_output = StructuredOutputManager(
+            tokenizer, config.model_config.vocab_size, config.structured_outputs)
+        self._owner: dict[str, int] = {}  # unfinished request -> replica
+        self._load = [0] * self.dp_size  # unfinished requests per replica
+        #: Requests each replica has been given (the balance is visible in the stats).
+        self.requests_routed = [0] * self.dp_size
+        self._next = 0  # round robin among the least loaded
+        self._outputs: list[EngineCoreOutput] = []
+        self._replies: dict[int, dict[int, tuple[str, Any]]] = {}
+        self._call_ids = itertools.count()
+        self._dead: str | None = None
+        self.num_steps = 0
+
+    # ---- requests ------------------------------------------------------------------------
+    def _pick(self) -> int:
+        least = min(self._load)
+        for offset in range(self.dp_size):
+            rank = (self._next + offset) % self.dp_size
+            if self._load[rank] == least:
+                self._next = (rank + 1) % self.dp_size
+                return rank
+        raise AssertionError("unreachable")
+
+    def _send(self, rank: int, kind: str, payload: Any) -> None:
+        if self._dead is not None:
+            raise WorkerProcessError(f"a data-parallel engine is down ({self._dead}); restart "
+                                     "the engine")
+        self._children.send(rank, pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL))
+
+    def add_request(self, request: Request) -> None:
+        rank = self._pick()
+        self._send(rank, "add", request)
+        self._owner[request.request_id] = rank
+        self._load[rank] += 1
+        self.requests_routed[rank] += 1
+
+    def submit_structured_output(self, params: SamplingParams) -> Future | None:
+        if params.structured_outputs is None:
+            return None
+        return self.structured_output.submit(params.structured_outputs)
+
+    def finish_requests(self, request_ids: Sequence[str], status: RequestStatus) -> None:
+        by_rank: dict[int, list[str]] = {}
+        for rid in request_ids:
+            rank = self._owner.pop(rid, None)
+            if rank is not None:
+                self._load[rank] -= 1
+                by_rank.setdefault(rank, []).append(rid)
+        for rank, rids in by_rank.items():
+            self._send(rank, "finish", (rids, status))
+
+    def has_pending_work(self) -> bool:
+        return bool(self._owner) or bool(self._outputs)
+
+    # ---- outputs -------------------------------------------------------------------------
+    def _receive(self, timeout_s: float) -> bool:
+        """Take one message (waiting up to ``timeout_s``); False if none came. A replica that
+        failed or exited raises, naming its rank."""
+        message = self._children.recv(timeout_s)
+        if message is None:
+            self.check_health()
+            return False
+        rank, status, value = message
+        if status == "outputs":
+            outputs, self._stats[rank] = value
+            self.num_steps += 1
+            for out in outputs:
+                if out.finish_status is not None and self._owner.get(out.req_id) == rank:
+                    del self._owner[out.req_id]
+                    self._load[rank] -= 1
+            self._outputs.extend(outputs)
+        elif status == "rpc":
+            call_id, result = value
+            self._replies.setdefault(call_id, {})[rank] = result
+        elif status == "error":
+            self._dead = f"data-parallel rank {rank} failed"
+            raise WorkerProcessError(f"data-parallel rank {rank} failed:\n{value}")
+        return True
+
+    def step(self) -> list[EngineCoreOutput]:
+        """The outputs the replicas sent since the last call (waiting briefly for some)."""
+        if not self._outputs:
+            self._receive(_POLL_S)
+        while self._receive(0):
+            pass
+        outputs, self._outputs = self._outputs, []
+        return outputs
+
+    # ---- RPCs, stats ---------------------------------------------------------------------
+    def _call(self, method: str, args: Sequence[Any] = (),
+              kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """``method`` on every replica; one result per replica, rank order."""
+        call_id = next(self._call_ids)
+        for rank in range(self.dp_size):
+            self._send(rank, "rpc", (call_id, method, tuple(args), kwargs or {}))
+        while len(self._replies.get(call_id, {})) < self.dp_size:
+            self._receive(_IDLE_POLL_S)
+        replies = self._replies.pop(call_id)
+        results = []
+        for rank in range(self.dp_size):
+            status, value = replies[rank]
+            if status == "error":
+                raise value
+            results.append(value)
+        return results
+
+    def collective_rpc(self, method: RpcMethod, args: Sequence[Any] = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Every worker of every replica: replica 0's workers first (global rank order)."""
+        if not isinstance(method, str):
+            raise ValueError("with data_parallel_size > 1, collective_rpc takes a Worker "
+                             "method's name (the workers run in other processes)")
+        return [r for per_rank in self._call(f"worker:{method}", args, kwargs) for r in per_rank]
+
+    def check_health(self) -> None:
+        if self._dead is not None:
+            raise WorkerProcessError(f"a data-parallel engine is down ({self._dead})")
+        dead = self._children.dead_child()
+        if dead is not None:
+            self._dead = dead
+            raise WorkerProcessError(dead)
+
+    def reset_prefix_cache(self) -> bool:
+        return all(self._call("reset_prefix_cache"))
+
+    def request_blocks(self, request_id: str) -> list[int]:
+        rank = self._owner[request_id]
+        call_id = next(self._call_ids)
+        self._send(rank, "rpc", (call_id, "request_blocks", (request_id,), {}))
+        while rank not in self._replies.get(call_id, {}):
+            self._receive(_IDLE_POLL_S)
+        status, value = self._replies.pop(call_id)[rank]
+        if status == "error":
+            raise value
+        return value
+
+    def get_stats(self) -> dict[str, Any]:
+        """Summed over the replicas from the stats each sent with its latest outputs (no
+        round trip per call: the server reads them every step); per replica under
+        ``dp_ranks``, with the requests routed to it."""
+        per_rank = [dict(s, requests_routed=n, dp_rank=r)
+                    for r, (s, n) in enumerate(zip(self._stats, self.requests_routed,
+                                                   strict=True))]
+        return merge_stats(per_rank)
+
+    def shutdown(self) -> None:
+        self.structured_output.shutdown()
+        if not self._children.finalizer.alive:
+            return
+        if self._dead is None:
+            try:
+                call_id = next(self._call_ids)
+                for rank in range(self.dp_size):
+                    self._children.send(rank, pickle.dumps(("shutdown", call_id)), zmq.NOBLOCK)
+                deadline = 30.0
+                while len(self._replies.get(call_id, {})) < self.dp_size and deadline > 0:
+                    self._receive(_IDLE_POLL_S)
+                    deadline -= _IDLE_POLL_S
+            except (WorkerProcessError, zmq.ZMQError):
+                pass
+        self._children.close()
