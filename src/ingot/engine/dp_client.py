@@ -108,10 +108,7 @@ def _engine_main(config: EngineConfig, dp_rank: int, in_addr: str, out_addr: str
 
 
 def _core_call(core: Any, method: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-    """An RPC to a replica: an EngineCore method (``get_stats``, ``reset_prefix_cache``, ...)
-    or, under ``worker:``, its workers' ``collective_rpc``."""
-    if method.startswith("worker:"):
-        return core.collective_rpc(method[len("worker:"):], args, kwargs)
+    """An RPC to a replica: an EngineCore method (``collective_rpc``, ``reset_prefix_cache``)."""
     return getattr(core, method)(*args, **kwargs)
 
 
@@ -142,6 +139,29 @@ def merge_stats(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     return total
 
 
+class LeastLoaded:
+    """Routing by queue length: a new request goes to the replica with the fewest unfinished
+    requests, ties broken round robin (so equal queues take turns)."""
+
+    def __init__(self, size: int) -> None:
+        self.load = [0] * size  # unfinished requests per replica
+        self.routed = [0] * size  # requests each replica has been given
+        self._next = 0
+
+    def pick(self) -> int:
+        least = min(self.load)
+        size = len(self.load)
+        rank = next(r % size for r in range(self._next, self._next + size)
+                    if self.load[r % size] == least)
+        self._next = (rank + 1) % size
+        self.load[rank] += 1
+        self.routed[rank] += 1
+        return rank
+
+    def done(self, rank: int) -> None:
+        self.load[rank] -= 1
+
+
 class DPEngineCoreClient:
     """The front end's handle on N engine-core processes (``EngineCore``'s interface)."""
 
@@ -153,7 +173,7 @@ class DPEngineCoreClient:
         self.config = config
         self.dp_size = config.parallel_config.data_parallel_size
         self._children = ChildProcesses(
-            self.dp_size, _engine_main, lambda r: (replica_config(config, r), r),
+            self.dp_size, _engine_main, lambda r, _: (replica_config(config, r), r),
             "data-parallel rank", "ingot-dp-")
         try:
             self._stats = self._children.wait_started(STARTUP_TIMEOUT_S)
@@ -166,10 +186,7 @@ class DPEngineCoreClient:
         self.structured_output = StructuredOutputManager(
             tokenizer, config.model_config.vocab_size, config.structured_outputs)
         self._owner: dict[str, int] = {}  # unfinished request -> replica
-        self._load = [0] * self.dp_size  # unfinished requests per replica
-        #: Requests each replica has been given (the balance is visible in the stats).
-        self.requests_routed = [0] * self.dp_size
-        self._next = 0  # round robin among the least loaded
+        self.balancer = LeastLoaded(self.dp_size)
         self._outputs: list[EngineCoreOutput] = []
         self._replies: dict[int, dict[int, tuple[str, Any]]] = {}
         self._call_ids = itertools.count()
@@ -177,15 +194,6 @@ class DPEngineCoreClient:
         self.num_steps = 0
 
     # ---- requests ------------------------------------------------------------------------
-    def _pick(self) -> int:
-        least = min(self._load)
-        for offset in range(self.dp_size):
-            rank = (self._next + offset) % self.dp_size
-            if self._load[rank] == least:
-                self._next = (rank + 1) % self.dp_size
-                return rank
-        raise AssertionError("unreachable")
-
     def _send(self, rank: int, kind: str, payload: Any) -> None:
         if self._dead is not None:
             raise WorkerProcessError(f"a data-parallel engine is down ({self._dead}); restart "
@@ -193,11 +201,9 @@ class DPEngineCoreClient:
         self._children.send(rank, pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL))
 
     def add_request(self, request: Request) -> None:
-        rank = self._pick()
-        self._send(rank, "add", request)
+        rank = self.balancer.pick()
         self._owner[request.request_id] = rank
-        self._load[rank] += 1
-        self.requests_routed[rank] += 1
+        self._send(rank, "add", request)
 
     def submit_structured_output(self, params: SamplingParams) -> Future | None:
         if params.structured_outputs is None:
@@ -209,7 +215,7 @@ class DPEngineCoreClient:
         for rid in request_ids:
             rank = self._owner.pop(rid, None)
             if rank is not None:
-                self._load[rank] -= 1
+                self.balancer.done(rank)
                 by_rank.setdefault(rank, []).append(rid)
         for rank, rids in by_rank.items():
             self._send(rank, "finish", (rids, status))
@@ -232,7 +238,7 @@ class DPEngineCoreClient:
             for out in outputs:
                 if out.finish_status is not None and self._owner.get(out.req_id) == rank:
                     del self._owner[out.req_id]
-                    self._load[rank] -= 1
+                    self.balancer.done(rank)
             self._outputs.extend(outputs)
         elif status == "rpc":
             call_id, result = value
@@ -271,11 +277,10 @@ class DPEngineCoreClient:
 
     def collective_rpc(self, method: RpcMethod, args: Sequence[Any] = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:
-        """Every worker of every replica: replica 0's workers first (global rank order)."""
-        if not isinstance(method, str):
-            raise ValueError("with data_parallel_size > 1, collective_rpc takes a Worker "
-                             "method's name (the workers run in other processes)")
-        return [r for per_rank in self._call(f"worker:{method}", args, kwargs) for r in per_rank]
+        """Every worker of every replica: replica 0's workers first (global rank order). A
+        function goes by reference, as to the multiprocess executor's workers."""
+        return [r for per_rank in self._call("collective_rpc", (method, args, kwargs))
+                for r in per_rank]
 
     def check_health(self) -> None:
         if self._dead is not None:
@@ -304,7 +309,7 @@ class DPEngineCoreClient:
         round trip per call: the server reads them every step); per replica under
         ``dp_ranks``, with the requests routed to it."""
         per_rank = [dict(s, requests_routed=n, dp_rank=r)
-                    for r, (s, n) in enumerate(zip(self._stats, self.requests_routed,
+                    for r, (s, n) in enumerate(zip(self._stats, self.balancer.routed,
                                                    strict=True))]
         return merge_stats(per_rank)
 

@@ -110,11 +110,11 @@ class ChildProcesses:
     socket they all answer on (``recv``), in a private temporary directory that also holds the
     torch.distributed rendezvous file. Used for the TP workers of one engine core and for the
     engine cores of data parallelism (engine/dp_client.py). ``target(*args(i), in_addr,
-    out_addr, parent_pid, log_level)`` runs in child ``i``; children answer with pickled
-    ``(index, status, value)`` tuples."""
+    out_addr, parent_pid, log_level)`` runs in child ``i`` (``args(i, init_method)``: the
+    rendezvous below); children answer with pickled ``(index, status, value)`` tuples."""
 
     def __init__(self, count: int, target: Callable[..., None],
-                 args: Callable[[int], tuple[Any, ...]], kind: str, prefix: str) -> None:
+                 args: Callable[[int, str], tuple[Any, ...]], kind: str, prefix: str) -> None:
         self.count = count
         self.kind = kind  # how errors name a child: "worker rank", "data-parallel rank"
         self.tmpdir = tempfile.mkdtemp(prefix=prefix)
@@ -133,7 +133,8 @@ class ChildProcesses:
             sock.bind(in_addr)
             self.inboxes.append(sock)
             proc = spawn.Process(
-                target=target, args=(*args(i), in_addr, out_addr, os.getpid(), level),
+                target=target,
+                args=(*args(i, self.init_method), in_addr, out_addr, os.getpid(), level),
                 name=f"ingot-{kind.replace(' ', '-')}-{i}",
             )
             proc.start()
@@ -211,10 +212,8 @@ class MultiprocExecutor(Executor):
         self._pending: deque[tuple[_Reply, str, Callable[[list[Any]], Any]]] = deque()
         self._children: ChildProcesses | None = None
 
-        def args(rank: int) -> tuple[Any, ...]:
-            assert self._children is not None
-            init = self._children.init_method if self.world_size > 1 else None
-            return (config, rank, init)
+        def args(rank: int, init_method: str) -> tuple[Any, ...]:
+            return (config, rank, init_method if self.world_size > 1 else None)
 
         self._children = ChildProcesses(self.world_size, _worker_main, args, "worker rank",
                                         "ingot-mp-")
