@@ -227,7 +227,7 @@ class ModelRunner:
     def _decode_input_ids(self, so: SchedulerOutput, b_pad: int) -> torch.Tensor:
         items = so.scheduled
         input_ids = torch.zeros(b_pad, dtype=torch.int64, device=self.device)
-        if self.async_scheduling:
+        if self.async_scheduling and items:  # (a dummy batch has no request to feed)
             prev = self._prev_decode
             if prev is not None and prev[0] == [it.req_id for it in items]:
                 self.async_steps += 1
@@ -334,6 +334,32 @@ class ModelRunner:
             kernel_rows=grid.decode_bucket(num_reqs) if verifying else 0,
         )
         return input_ids.to(self.device), positions.to(self.device), meta, sample_rows
+
+    def dummy_batch_inputs(
+        self, num_padded: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """The inputs of a decode step without requests, for a data-parallel replica that is
+        idle while expert parallelism spans the replicas (spec §2): built by
+        ``prepare_inputs`` itself, so every tensor has the shape of a real one-request decode
+        batch padded to ``num_padded`` rows (default: the smallest batch bucket) at the
+        narrowest context bucket. Every row is padding: token 0, slot PAD_SLOT_ID (nothing is
+        written to the KV cache), null blocks."""
+        grid = self.grid
+        if not grid.enabled:
+            raise ValueError("dummy batches need bucketing (a real batch's shapes come from "
+                             "the bucket grid); drop enable_bucketing=false")
+        rows = num_padded if num_padded is not None else grid.decode_bucket(1)
+        so = SchedulerOutput([], is_prefill=False, num_padded=rows,
+                             ctx_bucket=grid.decode_ctx_bucket(1))
+        return self.prepare_inputs(so)
+
+    def execute_dummy_batch(self, num_padded: int | None = None) -> None:
+        """Run the model on ``dummy_batch_inputs`` (no logits, no sampling): the replica's
+        MoE layers take part in the step's collectives with the same shapes as the others'."""
+        with self.grad_mode():
+            input_ids, positions, meta, _ = self.dummy_batch_inputs(num_padded)
+            with kernel_rows(meta.kernel_rows):
+                self.model(input_ids, positions, self.kv_caches, meta)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         with self.grad_mode():
