@@ -160,6 +160,15 @@ class ParallelConfig:
     ep_degree: int = 1
     #: Which replica this engine core is (set in each data-parallel engine process).
     data_parallel_rank: int = 0
+    #: The rendezvous of one torch.distributed world over every replica's ranks, when expert
+    #: parallelism spans the replicas (set by the data-parallel front end).
+    distributed_init_method: str | None = None
+
+    @property
+    def replicas_synchronise(self) -> bool:
+        """EP across data-parallel replicas: their MoE layers exchange tokens, so they step in
+        lockstep (DP padding, dummy batches; distributed/data_parallel.py)."""
+        return self.enable_expert_parallel and self.data_parallel_size > 1
 
     @property
     def world_size(self) -> int:
@@ -451,8 +460,8 @@ class EngineArgs:
     cache_dir: str | None = None  # compile cache root (default $INGOT_CACHE_ROOT, ~/.cache/ingot)
     # vLLM's names. None: "uni" for one worker, "mp" for several.
     distributed_executor_backend: str | None = None
-    # Parallelism (vLLM's names; docs/parallelism.md). PP, and EP with DP, are validated and
-    # then refused as not built yet.
+    # Parallelism (vLLM's names; docs/parallelism.md). PP is validated and then refused as
+    # not built yet.
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -649,6 +658,12 @@ class EngineArgs:
             is_encoder_only=encoder_only,
             enable_prompt_embeds=bool(self.enable_prompt_embeds),
         )
+        if speculative is not None and self._replicas_synchronise():
+            raise ValueError(
+                "speculative_config is not supported with --enable-expert-parallel and "
+                "data_parallel_size > 1 yet (a verification step's rows would need padding "
+                "across the replicas); drop one"
+            )
         if speculative is not None and speculative.method in ("draft_model", "eagle3"):
             if self.tensor_parallel_size > 1:
                 raise ValueError(
@@ -672,7 +687,8 @@ class EngineArgs:
                 max_model_len=max_model_len,
                 enable_chunked_prefill=chunked,
                 max_num_prefills_per_step=prefills,
-                async_scheduling=self._async_scheduling(runner, speculative),
+                async_scheduling=self._async_scheduling(runner, speculative,
+                                                        self._replicas_synchronise()),
             ),
             parallel_config=ParallelConfig(
                 distributed_executor_backend=backend, tensor_parallel_size=tp,
@@ -702,10 +718,24 @@ class EngineArgs:
             )
         return config
 
-    def _async_scheduling(self, runner: str, speculative: SpeculativeConfig | None = None) -> bool:
+    def _replicas_synchronise(self) -> bool:
+        return bool(self.enable_expert_parallel) and self.data_parallel_size > 1
+
+    def _async_scheduling(self, runner: str, speculative: SpeculativeConfig | None = None,
+                          lockstep: bool = False) -> bool:
         """A pooling runner schedules synchronously: its requests end with their prompt, and
         the step after their last segment must not see them (integration-b §4). Speculation
-        does too: the next step's drafts come from this step's accepted tokens."""
+        does too: the next step's drafts come from this step's accepted tokens. So do
+        data-parallel replicas in lockstep (EP across them): each turn runs exactly one
+        forward per replica, a real or a dummy one."""
+        if lockstep:
+            if self.async_scheduling:
+                raise ValueError(
+                    "async_scheduling is not supported with --enable-expert-parallel and "
+                    "data_parallel_size > 1 (the replicas step in lockstep); drop "
+                    "--async-scheduling"
+                )
+            return False
         if runner == "pooling":
             if self.async_scheduling:
                 raise ValueError("async_scheduling is not supported with --runner pooling; drop it")

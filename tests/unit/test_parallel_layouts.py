@@ -109,8 +109,6 @@ MOE = SimpleNamespace(num_attention_heads=8, num_key_value_heads=4, intermediate
      SimpleNamespace(num_attention_heads=8, num_key_value_heads=4, intermediate_size=6,
                      num_local_experts=8), "intermediate_size \\(6\\) does not split over 4"),
     # Valid requests for what is not built yet: refused, never ignored.
-    (ParallelSizes(tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True),
-     MOE, "across the replicas\\) is not supported yet"),
     (ParallelSizes(pipeline_parallel_size=2), DENSE, "pipeline_parallel_size"),
 ])
 def test_validation_names_the_flag(sizes, hf, match):
@@ -122,6 +120,9 @@ def test_valid_tensor_parallel_sizes_pass():
     validate_parallel_sizes(ParallelSizes(tensor_parallel_size=2), DENSE)
     validate_parallel_sizes(ParallelSizes(tensor_parallel_size=2, data_parallel_size=2), DENSE)
     validate_parallel_sizes(ParallelSizes(data_parallel_size=3), MOE)  # TP of experts per replica
+    # EP across the replicas: ep_degree (default) TP x DP.
+    validate_parallel_sizes(ParallelSizes(tensor_parallel_size=2, data_parallel_size=2,
+                                          enable_expert_parallel=True), MOE)
     validate_parallel_sizes(ParallelSizes(tensor_parallel_size=8), DENSE)  # KV replicated
     # Expert parallelism over the TP group (DP 1): full, and ep_degree 2 inside TP 4.
     validate_parallel_sizes(ParallelSizes(tensor_parallel_size=2, enable_expert_parallel=True),

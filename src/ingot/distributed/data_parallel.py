@@ -9,9 +9,10 @@ them would be a bug.
   [4, 1, 0] pad by [0, 3, 4]. It runs before attention metadata is built, so every input is
   built at the padded size.
 - ``has_global_unfinished_reqs``: whether any replica has work (one more all-reduce per step).
-- ``run_busy_loop``: vLLM's ``DPEngineCoreProc.run_busy_loop``: while any replica has work,
-  each steps; a replica with nothing of its own runs a dummy batch, so that its MoE layers
-  meet the others' collectives instead of leaving them waiting.
+- ``busy_loop_turn`` / ``run_busy_loop``: vLLM's ``DPEngineCoreProc.run_busy_loop``: while
+  any replica has work, each steps; a replica with nothing of its own runs a dummy batch, so
+  that its MoE layers meet the others' collectives instead of leaving them waiting. The
+  engine-core processes of engine/dp_client.py take one turn per loop iteration.
 """
 
 from __future__ import annotations
@@ -51,18 +52,41 @@ def has_global_unfinished_reqs(local: bool, dp_group: GroupCoordinator | None,
     return bool(flag.item())
 
 
+def busy_loop_turn(has_work: Callable[[], bool], step: Callable[[], bool],
+                   dummy_step: Callable[[], None], any_busy: Callable[[bool], bool]) -> bool:
+    """One turn of the replicas' lockstep loop under EP across them (vLLM's
+    ``DPEngineCoreProc.run_busy_loop``): agree whether any replica has work (``any_busy``, a
+    DP all-reduce); if so, step, or run a dummy batch when this replica has nothing or its step
+    ran no forward (``step`` returns whether it did), so that every replica's MoE layers meet
+    the others' collectives. Returns whether any replica had work."""
+    local = has_work()
+    if not any_busy(local):
+        return False
+    if not (local and step()):
+        dummy_step()
+    return True
+
+
 def run_busy_loop(has_work: Callable[[], bool], step: Callable[[], None],
                   dummy_step: Callable[[], None], dp_group: GroupCoordinator | None,
                   ep_enabled: bool) -> int:
     """Step until no replica has work; returns the dummy steps this replica ran. Without EP
     across replicas the loop is this replica's own and never runs a dummy step."""
-    dummies = 0
-    while True:
-        local = has_work()
-        if not has_global_unfinished_reqs(local, dp_group, ep_enabled):
-            return dummies
-        if local:
+    dummies = [0]
+
+    def dummy() -> None:
+        dummy_step()
+        dummies[0] += 1
+
+    def real() -> bool:
+        step()
+        return True
+
+    if not _syncs(dp_group, ep_enabled):
+        while has_work():
             step()
-        elif _syncs(dp_group, ep_enabled):
-            dummy_step()
-            dummies += 1
+        return 0
+    while busy_loop_turn(has_work, real, dummy,
+                         lambda local: has_global_unfinished_reqs(local, dp_group, ep_enabled)):
+        pass
+    return dummies[0]

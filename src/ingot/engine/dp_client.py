@@ -6,7 +6,10 @@ process with its own scheduler, KV cache and executor (its TP group), behind one
 engine and the server run unchanged on N replicas. Tokenizing, detokenizing and stop strings
 stay in the front end; each engine process runs its own step loop and streams its outputs back,
 so one replica can prefill while another decodes. Nothing synchronises the replicas (without
-expert parallelism nothing should: their steps have unrelated shapes).
+expert parallelism nothing should: their steps have unrelated shapes). With EP across them
+(``ep_degree == TP x DP``) their MoE layers exchange tokens, so the engine processes step in
+lockstep: one ``busy_loop_turn`` per iteration, a dummy batch where a replica has nothing to
+run, every step padded to the largest replica's (distributed/data_parallel.py).
 
 A new request goes to the replica with the fewest unfinished requests (ties: round robin), as
 vLLM's front end balances by queue length. Processes and sockets are the multiprocess
@@ -31,6 +34,7 @@ import zmq
 from ingot.config import EngineConfig
 from ingot.core.outputs import EngineCoreOutput
 from ingot.core.request import Request, RequestStatus
+from ingot.distributed.data_parallel import busy_loop_turn
 from ingot.engine.sampling_params import SamplingParams
 from ingot.metrics.stats import BucketStats
 from ingot.worker.executor import RpcMethod
@@ -47,12 +51,14 @@ _POLL_S = 0.02  # how long step() waits for a replica's outputs before it return
 _IDLE_POLL_S = 0.1  # how long an idle replica waits for a command
 
 
-def replica_config(config: EngineConfig, dp_rank: int) -> EngineConfig:
+def replica_config(config: EngineConfig, dp_rank: int, init_method: str) -> EngineConfig:
     """The config of replica ``dp_rank``: the same model and limits (``max_num_seqs`` is per
-    replica), its own rank, so its workers are global ranks ``dp_rank * TP + i``."""
-    return dataclasses.replace(
-        config, parallel_config=dataclasses.replace(config.parallel_config,
-                                                    data_parallel_rank=dp_rank))
+    replica), its own rank, so its workers are global ranks ``dp_rank * TP + i``; with EP
+    across the replicas, the rendezvous of their common world."""
+    parallel = config.parallel_config
+    return dataclasses.replace(config, parallel_config=dataclasses.replace(
+        parallel, data_parallel_rank=dp_rank,
+        distributed_init_method=init_method if parallel.replicas_synchronise else None))
 
 
 def _engine_main(config: EngineConfig, dp_rank: int, in_addr: str, out_addr: str,
@@ -79,8 +85,19 @@ def _engine_main(config: EngineConfig, dp_rank: int, in_addr: str, out_addr: str
 
         core = EngineCore(config, load_tokenizer(config.model_config))
         reply("ready", core.get_stats())
+        lockstep = config.parallel_config.replicas_synchronise
+        any_busy = False
+
+        def step() -> bool:
+            """One engine step; whether it ran a forward (an empty schedule runs none)."""
+            before = core.num_steps
+            outputs = core.step()
+            if outputs:
+                reply("outputs", (outputs, core.get_stats()))
+            return core.num_steps > before
+
         while True:
-            busy = core.has_pending_work()
+            busy = core.has_pending_work() or any_busy
             while inbox.poll(0 if busy else int(_IDLE_POLL_S * 1000)):
                 kind, payload = pickle.loads(inbox.recv())
                 if kind == "add":
@@ -98,11 +115,14 @@ def _engine_main(config: EngineConfig, dp_rank: int, in_addr: str, out_addr: str
                     core.shutdown()
                     reply("rpc", (payload, ("ok", None)))
                     return
-                busy = core.has_pending_work()
-            if busy:
-                outputs = core.step()
-                if outputs:
-                    reply("outputs", (outputs, core.get_stats()))
+                busy = core.has_pending_work() or any_busy
+            if lockstep:  # EP across replicas: every turn together (data_parallel.py)
+                any_busy = busy_loop_turn(
+                    core.has_pending_work, step,
+                    lambda: core.collective_rpc("execute_dummy_batch"),
+                    lambda local: core.collective_rpc("dp_has_unfinished", (local,))[0])
+            elif busy:
+                step()
     except BaseException:  # noqa: BLE001 - reported to the front end, which fails requests
         reply("error", traceback.format_exc())
 
@@ -173,7 +193,7 @@ class DPEngineCoreClient:
         self.config = config
         self.dp_size = config.parallel_config.data_parallel_size
         self._children = ChildProcesses(
-            self.dp_size, _engine_main, lambda r, _: (replica_config(config, r), r),
+            self.dp_size, _engine_main, lambda r, init: (replica_config(config, r, init), r),
             "data-parallel rank", "ingot-dp-")
         try:
             self._stats = self._children.wait_started(STARTUP_TIMEOUT_S)

@@ -26,7 +26,8 @@ from torch import nn
 from ingot.config import EngineConfig
 from ingot.core.kv_cache_manager import NULL_BLOCK_ID, cdiv
 from ingot.core.sched_output import SchedulerOutput
-from ingot.distributed.parallel_state import get_tp_group
+from ingot.distributed.data_parallel import get_dp_padding
+from ingot.distributed.parallel_state import get_dp_group, get_tp_group
 from ingot.engine.sampling_params import SamplingParams
 from ingot.model_executor.layers.attention import AttentionMetadata
 from ingot.model_executor.layers.linear import kernel_rows
@@ -108,6 +109,11 @@ class ModelRunner:
         self.vocab_size = config.model_config.vocab_size
         self.sampler = Sampler()
         self.tp_group = get_tp_group()
+        # EP across data-parallel replicas: every step pads to the replicas' largest token
+        # count, so their MoE layers exchange equal shapes (distributed/data_parallel.py).
+        self.dp_group = get_dp_group()
+        self.dp_sync = config.parallel_config.replicas_synchronise
+        self.dummy_steps = 0  # idle-replica steps run (execute_dummy_batch)
         self.requests: dict[str, CachedRequestState] = {}
         self.grid = config.buckets
         self.decode_graphs: DecodeGraphs | None = None
@@ -251,7 +257,8 @@ class ModelRunner:
         packed requests attend each to its own context, and padded rows attend to nothing.
         Decode: the batch pads to ``so.num_padded`` rows with dummy rows (token 0, position 0,
         slot -1, a block-table row of null blocks). Padding never allocates a block and never
-        writes the cache.
+        writes the cache. With EP across data-parallel replicas both pad further, to the
+        replicas' largest count (``get_dp_padding``), before any metadata is built.
         """
         self.update_states(so)
         items = so.scheduled
@@ -264,6 +271,7 @@ class ModelRunner:
         if so.is_prefill:
             total = sum(lens)
             n_pad = max(so.num_padded, total) if grid.enabled else total
+            n_pad += get_dp_padding(n_pad, self.dp_group, self.dp_sync)[0]
             real_pos = torch.cat([torch.arange(s, s + n, dtype=torch.int64)
                                   for s, n in zip(starts, lens, strict=True)])
             positions = torch.cat([real_pos, real_pos[-1:].expand(n_pad - total)])
@@ -288,6 +296,7 @@ class ModelRunner:
             # lays each request's 1 + d rows end to end, one decode row per position).
             total = sum(lens)
             b_pad = max(so.num_padded, total) if grid.enabled else total
+            b_pad += get_dp_padding(b_pad, self.dp_group, self.dp_sync)[0]
             positions = torch.zeros(b_pad, dtype=torch.int64)
             rows = torch.arange(num_reqs)
             if total == num_reqs:
@@ -360,6 +369,7 @@ class ModelRunner:
             input_ids, positions, meta, _ = self.dummy_batch_inputs(num_padded)
             with kernel_rows(meta.kernel_rows):
                 self.model(input_ids, positions, self.kv_caches, meta)
+        self.dummy_steps += 1
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         with self.grad_mode():

@@ -229,7 +229,15 @@ class Worker:
         if self.device.type == "cuda" and parallel.world_size > 1:  # one GPU per rank
             self.device = torch.device("cuda", self.global_rank % max(1, torch.cuda.device_count()))
             torch.cuda.set_device(self.device)
-        if parallel.tensor_parallel_size > 1:
+        if parallel.replicas_synchronise:
+            from ingot.distributed.parallel_state import init_distributed
+
+            # EP across the replicas: one world of every replica's ranks, TP and DP groups.
+            assert parallel.distributed_init_method is not None
+            init_distributed(parallel.world_size, self.global_rank,
+                             parallel.distributed_init_method, parallel.tensor_parallel_size,
+                             self.device, ep_size=parallel.ep_degree)
+        elif parallel.tensor_parallel_size > 1:
             from ingot.distributed.parallel_state import init_distributed
 
             if distributed_init_method is None:
@@ -377,6 +385,19 @@ class Worker:
             self.profiler.step()
         output.runtime_stats = self.runtime_stats()
         return output
+
+    def dp_has_unfinished(self, local: bool) -> bool:
+        """Whether any replica has work (a DP all-reduce; EP across replicas only)."""
+        from ingot.distributed.data_parallel import has_global_unfinished_reqs
+        from ingot.distributed.parallel_state import get_dp_group
+
+        return has_global_unfinished_reqs(local, get_dp_group(),
+                                          self.config.parallel_config.replicas_synchronise)
+
+    def execute_dummy_batch(self) -> None:
+        """An idle replica's step (EP across replicas): model_runner.execute_dummy_batch."""
+        assert self.model_runner is not None
+        self.model_runner.execute_dummy_batch()
 
     def profile(self, is_start: bool) -> str | None:
         if is_start:
