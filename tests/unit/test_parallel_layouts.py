@@ -246,3 +246,21 @@ def test_cpu_ranks_plan_the_kv_cache_with_their_share_of_memory(tiny_llama_dir, 
     with pytest.raises(ValueError, match="below the minimum"):
         plan_num_blocks(config, gib, 0, torch.float32)
     assert plan_num_blocks(config, 4 * gib, 0, torch.float32, ranks_sharing=4) > 0
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(async_scheduling=True), "drop --async-scheduling"),
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+     "speculative_config is not supported with --enable-expert-parallel"),
+    (dict(additional_config={"ep_degree": 1}), "ep_degree must equal"),
+])
+def test_ep_across_replicas_refuses_what_breaks_lockstep(tmp_path, kw, match):
+    from tiny import make_tiny_model
+
+    path = make_tiny_model("qwen3_moe", tmp_path / "moe", vocab_size=259)
+    ok = _args(path, data_parallel_size=2, enable_expert_parallel=True).create_engine_config()
+    par = ok.parallel_config
+    assert (par.ep_degree, par.replicas_synchronise) == (2, True)
+    assert not ok.scheduler_config.async_scheduling
+    with pytest.raises(ValueError, match=match):
+        _args(path, data_parallel_size=2, enable_expert_parallel=True, **kw).create_engine_config()
