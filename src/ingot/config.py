@@ -163,6 +163,26 @@ class ParallelConfig:
     #: The rendezvous of one torch.distributed world over every replica's ranks, when expert
     #: parallelism spans the replicas (set by the data-parallel front end).
     distributed_init_method: str | None = None
+    #: Multi-node DP (vLLM's flags): the replicas this node runs, the first one's rank, and
+    #: where the API server's node listens for the other nodes' replicas.
+    data_parallel_size_local: int | None = None  # None: all of them
+    data_parallel_start_rank: int = 0
+    data_parallel_address: str = "127.0.0.1"
+    data_parallel_rpc_port: int = 29550
+
+    @property
+    def host_ranks(self) -> int:
+        """Ranks on this host (TP x the local replicas): they share its CPUs and memory."""
+        return self.tensor_parallel_size * self.local_replicas
+
+    @property
+    def local_replicas(self) -> int:
+        local = self.data_parallel_size_local
+        return self.data_parallel_size if local is None else local
+
+    def host_index(self, global_rank: int) -> int:
+        """A global rank's index among this host's ranks (a bind list has one part each)."""
+        return global_rank - self.data_parallel_start_rank * self.tensor_parallel_size
 
     @property
     def replicas_synchronise(self) -> bool:
@@ -466,6 +486,11 @@ class EngineArgs:
     data_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    # Multi-node data parallelism (vLLM's flags). None: every replica on this node.
+    data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int = 0
+    data_parallel_address: str | None = None  # None: 127.0.0.1
+    data_parallel_rpc_port: int = 29550
     # None = DEFAULT_ASYNC_SCHEDULING; True/False force it.
     async_scheduling: bool | None = None
     # CPU compute threads: None = from the affinity mask, cgroup quota and OMP_NUM_THREADS /
@@ -624,14 +649,15 @@ class EngineArgs:
             from ingot.platforms.cpu_threads import BIND_ENV, detect_cpu_budget, plan_threads
 
             bind = self.cpu_threads_bind or os.environ.get(BIND_ENV, "")
-            world = tp * self.data_parallel_size
+            local = self._data_parallel_local()
+            world = tp * local  # the ranks on this node
             if world > 1 and "|" in bind:  # one list per rank (worker.rank_thread_config)
                 parts = bind.split("|")
                 if len(parts) != world:
                     raise ValueError(
                         f"CPU bind list {bind!r} has {len(parts)} parts for {world} ranks "
-                        f"(tensor_parallel_size {tp} x data_parallel_size "
-                        f"{self.data_parallel_size}); give one list per rank, separated by '|'"
+                        f"(tensor_parallel_size {tp} x {local} data-parallel replicas on this "
+                        "node); give one list per rank, separated by '|'"
                     )
                 for part in parts:
                     plan_threads(detect_cpu_budget(), {}, self.cpu_threads, part)
@@ -693,6 +719,10 @@ class EngineArgs:
             parallel_config=ParallelConfig(
                 distributed_executor_backend=backend, tensor_parallel_size=tp,
                 data_parallel_size=self.data_parallel_size,
+                data_parallel_size_local=self._data_parallel_local(),
+                data_parallel_start_rank=self.data_parallel_start_rank,
+                data_parallel_address=self.data_parallel_address or "127.0.0.1",
+                data_parallel_rpc_port=self.data_parallel_rpc_port,
                 enable_expert_parallel=bool(self.enable_expert_parallel),
                 # Default ep_degree: the world (TP x DP).
                 ep_degree=(additional_config.get("ep_degree") or tp * self.data_parallel_size)
@@ -717,6 +747,31 @@ class EngineArgs:
                 "with --runner pooling"
             )
         return config
+
+    def _data_parallel_local(self) -> int:
+        """The replicas this node runs, checked with the other multi-node flags."""
+        dp = self.data_parallel_size
+        local = dp if self.data_parallel_size_local is None else self.data_parallel_size_local
+        if isinstance(local, bool) or not isinstance(local, int) or not 1 <= local <= dp:
+            raise ValueError(f"data_parallel_size_local must be from 1 to data_parallel_size "
+                             f"({dp}), got {local!r}")
+        start = self.data_parallel_start_rank
+        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= dp - local:
+            raise ValueError(
+                f"data_parallel_start_rank must be from 0 to data_parallel_size - "
+                f"data_parallel_size_local ({dp - local}), got {start!r}"
+            )
+        port = self.data_parallel_rpc_port
+        if isinstance(port, bool) or not isinstance(port, int) or not 1024 <= port <= 65535 - dp:
+            raise ValueError(f"data_parallel_rpc_port must be from 1024 to {65535 - dp} (it "
+                             f"and the next {dp - 1} ports are used), got {port!r}")
+        if local < dp and self.enable_expert_parallel:
+            raise ValueError(
+                "--enable-expert-parallel with replicas on several nodes is not supported yet; "
+                "run every replica on one node (--data-parallel-size-local "
+                f"{dp}) or drop --enable-expert-parallel"
+            )
+        return local
 
     def _replicas_synchronise(self) -> bool:
         return bool(self.enable_expert_parallel) and self.data_parallel_size > 1

@@ -116,3 +116,31 @@ def test_killed_replica_fails_the_request_and_health(dp2):
     assert time.monotonic() - start < 30
     assert wait_until(lambda: dp2.request("GET", "/health")[0] == 503, timeout=30)
     client.close()
+
+
+def test_two_node_launch_on_localhost(tiny_llama_dir, tmp_path, dp1_answers):
+    """vLLM's multi-node recipe on one machine: the API server's "node" runs replica 0 and a
+    --headless "node" replica 1, meeting over TCP at --data-parallel-rpc-port. Stopping the
+    server shuts the other node's replica down, and its launcher exits cleanly."""
+    import subprocess
+    import sys
+
+    from server_utils import free_port
+
+    rpc = ["--data-parallel-size", "2", "--data-parallel-size-local", "1",
+           "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(free_port())]
+    with open(tmp_path / "headless.log", "w") as log:
+        headless = subprocess.Popen(
+            [sys.executable, "-m", "ingot.entrypoints.cli", "serve", str(tiny_llama_dir),
+             *TINY_FLAGS, *rpc, "--data-parallel-start-rank", "1", "--headless"],
+            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        with run_server([str(tiny_llama_dir), *TINY_FLAGS, *rpc], tmp_path,
+                        startup_timeout=120) as server:
+            assert _answers(server) == dp1_answers
+            assert min(_routed(server)) > 0  # the other node served some of them
+        assert headless.wait(timeout=30) == 0, (tmp_path / "headless.log").read_text()
+    finally:
+        if headless.poll() is None:
+            headless.kill()
+            headless.wait()

@@ -4,6 +4,8 @@ worker) by its rank within a timeout."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from dp_child_stub import child
 
@@ -94,3 +96,27 @@ def test_a_missing_child_is_reported_by_rank(behaviour, match):
             children.wait_started(5 if behaviour[1] == "hang" else 60)
     finally:
         _stop(children)
+
+
+def test_a_silent_remote_replica_is_reported_by_rank():
+    from types import SimpleNamespace
+
+    from ingot.engine import dp_client
+
+    port = 20000 + os.getpid() % 20000
+    remote = dp_client.RemoteReplicas(
+        SimpleNamespace(data_parallel_address="127.0.0.1", data_parallel_rpc_port=port),
+        range(1, 3))
+    try:
+        assert remote.dead_child() is None  # just heard from (start-up)
+        remote.last_seen[2] -= dp_client.HEARTBEAT_TIMEOUT_S + 1
+        assert remote.dead_child() == (
+            f"data-parallel rank 2 (on another node) sent nothing for "
+            f"{dp_client.HEARTBEAT_TIMEOUT_S:.0f} s")
+        # A port in use is an error naming the flag.
+        with pytest.raises(ValueError, match="--data-parallel-rpc-port"):
+            dp_client.RemoteReplicas(
+                SimpleNamespace(data_parallel_address="127.0.0.1", data_parallel_rpc_port=port),
+                range(1, 2))
+    finally:
+        remote.close()

@@ -264,3 +264,52 @@ def test_ep_across_replicas_refuses_what_breaks_lockstep(tmp_path, kw, match):
     assert not ok.scheduler_config.async_scheduling
     with pytest.raises(ValueError, match=match):
         _args(path, data_parallel_size=2, enable_expert_parallel=True, **kw).create_engine_config()
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(data_parallel_size_local=3), "data_parallel_size_local must be from 1 to"),
+    (dict(data_parallel_size_local=1, data_parallel_start_rank=2),
+     "data_parallel_start_rank must be from 0 to"),
+    (dict(data_parallel_rpc_port=80), "data_parallel_rpc_port must be from 1024"),
+])
+def test_multi_node_flags_are_checked(tiny_llama_dir, kw, match):
+    with pytest.raises(ValueError, match=match):
+        _args(tiny_llama_dir, data_parallel_size=2, **kw).create_engine_config()
+
+
+def test_multi_node_ep_is_refused(tmp_path):
+    from tiny import make_tiny_model
+
+    path = make_tiny_model("qwen3_moe", tmp_path / "moe", vocab_size=259)
+    with pytest.raises(ValueError, match="several nodes is not supported yet"):
+        _args(path, data_parallel_size=2, data_parallel_size_local=1,
+              enable_expert_parallel=True).create_engine_config()
+
+
+def test_cli_parses_the_multi_node_flags(tiny_llama_dir):
+    from ingot.entrypoints.cli import cmd_serve, engine_args_from
+
+    argv = ["serve", str(tiny_llama_dir), "-dp", "4", "--data-parallel-size-local", "2",
+            "--data-parallel-start-rank", "2", "--data-parallel-address", "10.0.0.1",
+            "--data-parallel-rpc-port", "13345", "--headless"]
+    ns = build_parser().parse_args(argv)
+    args = engine_args_from(ns)
+    assert (args.data_parallel_size_local, args.data_parallel_start_rank,
+            args.data_parallel_address, args.data_parallel_rpc_port, ns.headless) == \
+        (2, 2, "10.0.0.1", 13345, True)
+    par = _args(tiny_llama_dir, data_parallel_size=4, data_parallel_size_local=2,
+                data_parallel_start_rank=2).create_engine_config().parallel_config
+    # This node's ranks share its CPUs: 2 of them, global ranks 2 and 3 its parts 0 and 1.
+    assert (par.host_ranks, par.host_index(2), par.host_index(3)) == (2, 0, 1)
+    # --headless is for the nodes other than the API server's.
+    bad = build_parser().parse_args(["serve", str(tiny_llama_dir), "-dp", "2", "--headless"])
+    with pytest.raises(ValueError, match="--data-parallel-start-rank R"):
+        cmd_serve(bad)
+
+
+def test_the_api_servers_node_starts_at_rank_0(tiny_llama_dir):
+    from ingot import LLM
+
+    with pytest.raises(ValueError, match="is for the other nodes"):
+        LLM(str(tiny_llama_dir), dtype="float32", skip_tokenizer_init=True, max_model_len=64,
+            data_parallel_size=2, data_parallel_size_local=1, data_parallel_start_rank=1)

@@ -22,10 +22,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import multiprocessing
+import os
 import pickle
 import threading
+import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -49,6 +52,9 @@ logger = logging.getLogger("ingot")
 
 _POLL_S = 0.02  # how long step() waits for a replica's outputs before it returns
 _IDLE_POLL_S = 0.1  # how long an idle replica waits for a command
+HEARTBEAT_S = 1.0  # how often a --headless node reports its replicas
+#: A replica on another node silent this long (no output, no heartbeat) is taken as gone.
+HEARTBEAT_TIMEOUT_S = float(os.environ.get("INGOT_DP_HEARTBEAT_TIMEOUT_S", "10"))
 
 
 def replica_config(config: EngineConfig, dp_rank: int, init_method: str) -> EngineConfig:
@@ -182,6 +188,93 @@ class LeastLoaded:
         self.load[rank] -= 1
 
 
+def remote_addresses(parallel: Any) -> tuple[str, Callable[[int], str]]:
+    """Where replicas on other nodes meet the API server's node: (the results address, the
+    inbox address of replica ``r``): ``--data-parallel-rpc-port`` and the ports after it."""
+    host, port = parallel.data_parallel_address, parallel.data_parallel_rpc_port
+    return f"tcp://{host}:{port}", lambda r: f"tcp://{host}:{port + r}"
+
+
+class RemoteReplicas:
+    """The replicas of other nodes (each node's ``ingot serve --headless`` launcher spawns its
+    own and reports their health every ``HEARTBEAT_S``): their sockets, bound here over TCP."""
+
+    def __init__(self, parallel: Any, ranks: range) -> None:
+        self._ctx = zmq.Context()
+        out, inbox = remote_addresses(parallel)
+        self.results = self._ctx.socket(zmq.PULL)
+        self.inboxes: dict[int, zmq.Socket] = {}
+        try:
+            self.results.bind(out)
+            for r in ranks:
+                self.inboxes[r] = self._ctx.socket(zmq.PUSH)
+                self.inboxes[r].bind(inbox(r))
+        except zmq.ZMQError as exc:
+            self.close()
+            raise ValueError(
+                f"cannot listen for the other nodes' replicas on {out} and the next "
+                f"{len(ranks)} ports ({exc}); choose another --data-parallel-rpc-port or "
+                "--data-parallel-address (an address of this node)"
+            ) from None
+        self.last_seen = dict.fromkeys(ranks, time.monotonic())
+
+    def dead_child(self) -> str | None:
+        now = time.monotonic()
+        for r, seen in self.last_seen.items():
+            if now - seen > HEARTBEAT_TIMEOUT_S:
+                return (f"data-parallel rank {r} (on another node) sent nothing for "
+                        f"{HEARTBEAT_TIMEOUT_S:.0f} s")
+        return None
+
+    def close(self) -> None:
+        self._ctx.destroy(linger=0)
+
+
+def run_headless(config: EngineConfig) -> int:
+    """``ingot serve --headless``: run this node's replicas (``--data-parallel-start-rank``
+    and the ``--data-parallel-size-local`` after it) for the API server at
+    ``--data-parallel-address``, report their health there, and return when they have all
+    exited (the server shut them down); a replica that dies is reported and stops the rest."""
+    parallel = config.parallel_config
+    out, inbox = remote_addresses(parallel)
+    first = parallel.data_parallel_start_rank
+    ranks = range(first, first + parallel.local_replicas)
+    spawn = multiprocessing.get_context("spawn")
+    level = logging.getLogger("ingot").getEffectiveLevel()
+    procs = {r: spawn.Process(target=_engine_main,
+                              args=(replica_config(config, r, ""), r, inbox(r), out, os.getpid(),
+                                    level), name=f"ingot-data-parallel-rank-{r}")
+             for r in ranks}
+    for proc in procs.values():
+        proc.start()
+    logger.info("headless: data-parallel ranks %s for the API server at %s", list(ranks), out)
+    ctx = zmq.Context()
+    beat = ctx.socket(zmq.PUSH)
+    beat.connect(out)
+    try:
+        while True:
+            running = 0
+            for r, proc in procs.items():
+                if proc.is_alive():
+                    running += 1
+                    beat.send(pickle.dumps((r, "alive", None)))
+                elif proc.exitcode != 0:
+                    beat.send(pickle.dumps((r, "error", f"exited with code {proc.exitcode}")))
+                    logger.error("data-parallel rank %d exited with code %s", r, proc.exitcode)
+                    return 1
+            if running == 0:
+                return 0
+            time.sleep(HEARTBEAT_S)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        for proc in procs.values():
+            if proc.is_alive():
+                proc.terminate()
+            proc.join(timeout=10)
+        ctx.destroy(linger=1000)
+
+
 class DPEngineCoreClient:
     """The front end's handle on N engine-core processes (``EngineCore``'s interface)."""
 
@@ -191,16 +284,31 @@ class DPEngineCoreClient:
         from ingot.structured_output.manager import StructuredOutputManager
 
         self.config = config
-        self.dp_size = config.parallel_config.data_parallel_size
+        parallel = config.parallel_config
+        self.dp_size = parallel.data_parallel_size
+        if parallel.data_parallel_start_rank != 0:
+            raise ValueError(
+                "data_parallel_start_rank is for the other nodes (ingot serve --headless); the "
+                "API server's node runs the replicas from rank 0: drop it here"
+            )
+        self.num_local = parallel.local_replicas
+        self._remote: RemoteReplicas | None = None
         self._children = ChildProcesses(
-            self.dp_size, _engine_main, lambda r, init: (replica_config(config, r, init), r),
+            self.num_local, _engine_main, lambda r, init: (replica_config(config, r, init), r),
             "data-parallel rank", "ingot-dp-")
         try:
-            self._stats = self._children.wait_started(STARTUP_TIMEOUT_S)
+            if self.num_local < self.dp_size:
+                self._remote = RemoteReplicas(parallel, range(self.num_local, self.dp_size))
+            self._poller = zmq.Poller()
+            for sock in (self._children.results, self._remote and self._remote.results):
+                if sock is not None:
+                    self._poller.register(sock, zmq.POLLIN)
+            self._stats = self._wait_started(STARTUP_TIMEOUT_S)
         except BaseException:
-            self._children.close()
+            self._close_links()
             raise
-        logger.info("data parallelism: %d engine-core processes started", self.dp_size)
+        logger.info("data parallelism: %d engine-core processes started (%d on this node)",
+                    self.dp_size, self.num_local)
         # Grammars compile here too, so a bad one is refused before a request starts (the
         # server's check); each replica compiles (and caches) its own for its requests.
         self.structured_output = StructuredOutputManager(
@@ -218,7 +326,14 @@ class DPEngineCoreClient:
         if self._dead is not None:
             raise WorkerProcessError(f"a data-parallel engine is down ({self._dead}); restart "
                                      "the engine")
-        self._children.send(rank, pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL))
+        self._send_raw(rank, pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _send_raw(self, rank: int, message: bytes, flags: int = 0) -> None:
+        if rank < self.num_local:
+            self._children.send(rank, message, flags)
+        else:
+            assert self._remote is not None
+            self._remote.inboxes[rank].send(message, flags)
 
     def add_request(self, request: Request) -> None:
         rank = self.balancer.pick()
@@ -244,12 +359,13 @@ class DPEngineCoreClient:
         return bool(self._owner) or bool(self._outputs)
 
     # ---- outputs -------------------------------------------------------------------------
-    def _receive(self, timeout_s: float) -> bool:
+    def _receive(self, timeout_s: float, check: bool = True) -> bool:
         """Take one message (waiting up to ``timeout_s``); False if none came. A replica that
         failed or exited raises, naming its rank."""
-        message = self._children.recv(timeout_s)
+        message = self._recv(timeout_s)
         if message is None:
-            self.check_health()
+            if check:
+                self.check_health()
             return False
         rank, status, value = message
         if status == "outputs":
@@ -267,6 +383,54 @@ class DPEngineCoreClient:
             self._dead = f"data-parallel rank {rank} failed"
             raise WorkerProcessError(f"data-parallel rank {rank} failed:\n{value}")
         return True
+
+    def _recv(self, timeout_s: float) -> tuple[int, str, Any] | None:
+        """The next message of any replica (heartbeats of other nodes' replicas are taken
+        here), or None after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            events = dict(self._poller.poll(int(max(deadline - time.monotonic(), 0) * 1000)))
+            if not events:
+                return None
+            sock = next(iter(events))
+            rank, status, value = pickle.loads(sock.recv())
+            if self._remote is not None and rank in self._remote.last_seen:
+                self._remote.last_seen[rank] = time.monotonic()
+            if status != "alive":
+                return rank, status, value
+
+    def _wait_started(self, timeout_s: float) -> list[dict[str, Any]]:
+        """Every replica's first stats, rank order; a replica that fails, exits or stays
+        silent for ``timeout_s`` is named by its rank."""
+        ready: dict[int, dict[str, Any]] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(ready) < self.dp_size:
+            message = self._recv(_IDLE_POLL_S)
+            if message is not None:
+                rank, status, value = message
+                if status == "error":
+                    raise WorkerProcessError(
+                        f"data-parallel rank {rank} failed during start:\n{value}")
+                if status == "ready":
+                    ready[rank] = value
+                continue
+            dead = self._children.dead_child()
+            if dead is not None:
+                raise WorkerProcessError(dead)
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.dp_size)) - set(ready))
+                raise WorkerProcessError(
+                    f"data-parallel rank(s) {missing} did not start within {timeout_s:.0f} s"
+                    + (" (ranks of other nodes start with ingot serve --headless)"
+                       if any(r >= self.num_local for r in missing) else ""))
+        if self._remote is not None:  # from now on their launchers' heartbeats count
+            self._remote.last_seen = dict.fromkeys(self._remote.last_seen, time.monotonic())
+        return [ready[r] for r in range(self.dp_size)]
+
+    def _close_links(self) -> None:
+        self._children.close()
+        if self._remote is not None:
+            self._remote.close()
 
     def step(self) -> list[EngineCoreOutput]:
         """The outputs the replicas sent since the last call (waiting briefly for some)."""
@@ -305,8 +469,11 @@ class DPEngineCoreClient:
     def check_health(self) -> None:
         if self._dead is not None:
             raise WorkerProcessError(f"a data-parallel engine is down ({self._dead})")
-        dead = self._children.dead_child()
-        if dead is not None:
+        # Take what arrived (other nodes' heartbeats among it; outputs wait for step()).
+        while self._receive(0, check=False):
+            pass
+        dead = self._children.dead_child() or (self._remote and self._remote.dead_child())
+        if dead:
             self._dead = dead
             raise WorkerProcessError(dead)
 
@@ -341,11 +508,11 @@ class DPEngineCoreClient:
             try:
                 call_id = next(self._call_ids)
                 for rank in range(self.dp_size):
-                    self._children.send(rank, pickle.dumps(("shutdown", call_id)), zmq.NOBLOCK)
+                    self._send_raw(rank, pickle.dumps(("shutdown", call_id)), zmq.NOBLOCK)
                 deadline = 30.0
                 while len(self._replies.get(call_id, {})) < self.dp_size and deadline > 0:
                     self._receive(_IDLE_POLL_S)
                     deadline -= _IDLE_POLL_S
             except (WorkerProcessError, zmq.ZMQError):
                 pass
-        self._children.close()
+        self._close_links()

@@ -189,11 +189,13 @@ def advise_huge_pages(buffer: torch.Tensor) -> bool:
 
 
 def rank_thread_config(config: EngineConfig, rank: int) -> EngineConfig:
-    """The config this rank plans its CPU threads from. With several ranks on one host, a
+    """The config global rank ``rank`` plans its CPU threads from. With several ranks on one
+    host (TP x the local data-parallel replicas), a
     ``|``-separated bind list (vLLM's VLLM_CPU_OMP_THREADS_BIND form, or --cpu-threads-bind)
     gives rank i its i-th part; without any thread setting each rank takes its share of the
     CPUs, so the ranks do not oversubscribe them."""
-    world = config.parallel_config.world_size
+    parallel = config.parallel_config
+    world = parallel.host_ranks  # the ranks of every replica on this host
     if world == 1:
         return config
     from ingot.platforms.cpu_threads import BIND_ENV, detect_cpu_budget
@@ -205,7 +207,7 @@ def rank_thread_config(config: EngineConfig, rank: int) -> EngineConfig:
         if len(parts) != world:
             raise ValueError(f"CPU bind list {bind!r} has {len(parts)} parts for {world} ranks; "
                              "give one list per rank, separated by '|'")
-        threads = dataclasses.replace(threads, bind=parts[rank])
+        threads = dataclasses.replace(threads, bind=parts[parallel.host_index(rank)])
     elif threads.threads is None and not bind and not os.environ.get("OMP_NUM_THREADS"):
         threads = dataclasses.replace(threads, threads=max(1, detect_cpu_budget().usable // world))
     return dataclasses.replace(config, cpu_threads=threads)
@@ -227,7 +229,8 @@ class Worker:
         self.platform = resolve_platform(config.device)
         self.device = self.platform.device()
         if self.device.type == "cuda" and parallel.world_size > 1:  # one GPU per rank
-            self.device = torch.device("cuda", self.global_rank % max(1, torch.cuda.device_count()))
+            self.device = torch.device("cuda", parallel.host_index(self.global_rank)
+                                       % max(1, torch.cuda.device_count()))
             torch.cuda.set_device(self.device)
         if parallel.replicas_synchronise:
             from ingot.distributed.parallel_state import init_distributed
@@ -283,7 +286,7 @@ class Worker:
         # Memory still free now, plus what the weights took: the total before loading.
         total = self.platform.available_memory_bytes(self.device) + self.load_bytes
         # On CPU the ranks share the host's memory (a GPU is each rank's own).
-        sharing = self.config.parallel_config.world_size if self.device.type == "cpu" else 1
+        sharing = self.config.parallel_config.host_ranks if self.device.type == "cpu" else 1
         return plan_num_blocks(self.config, total, self.load_bytes, self.kv_dtype, sharing)
 
     def initialize_cache(self, num_blocks: int) -> None:
