@@ -83,7 +83,13 @@ def _engine_main(config: EngineConfig, dp_rank: int, in_addr: str, out_addr: str
     outbox.connect(out_addr)
 
     def reply(status: str, value: Any) -> None:
-        outbox.send(pickle.dumps((dp_rank, status, value), protocol=pickle.HIGHEST_PROTOCOL))
+        try:
+            message = pickle.dumps((dp_rank, status, value), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # noqa: BLE001 - an unpicklable RPC result must still answer
+            call_id = value[0] if status == "rpc" else None
+            message = pickle.dumps((dp_rank, "rpc", (call_id, (
+                "error", RuntimeError(f"result not picklable: {exc!r}")))))
+        outbox.send(message)
 
     try:
         from ingot.engine.core import EngineCore
@@ -112,8 +118,8 @@ def _engine_main(config: EngineConfig, dp_rank: int, in_addr: str, out_addr: str
                     core.finish_requests(*payload)
                 elif kind == "rpc":
                     call_id, method, args, kwargs = payload
-                    try:
-                        result: Any = ("ok", _core_call(core, method, args, kwargs))
+                    try:  # an EngineCore method: collective_rpc, reset_prefix_cache, ...
+                        result: Any = ("ok", getattr(core, method)(*args, **kwargs))
                     except Exception as exc:  # noqa: BLE001 - the caller raises it
                         result = ("error", exc)
                     reply("rpc", (call_id, result))
@@ -131,11 +137,6 @@ def _engine_main(config: EngineConfig, dp_rank: int, in_addr: str, out_addr: str
                 step()
     except BaseException:  # noqa: BLE001 - reported to the front end, which fails requests
         reply("error", traceback.format_exc())
-
-
-def _core_call(core: Any, method: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-    """An RPC to a replica: an EngineCore method (``collective_rpc``, ``reset_prefix_cache``)."""
-    return getattr(core, method)(*args, **kwargs)
 
 
 def merge_stats(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
