@@ -516,4 +516,8 @@ class DPEngineCoreClient:
                     deadline -= _IDLE_POLL_S
             except (WorkerProcessError, zmq.ZMQError):
                 pass
+        else:  # the engine is down: the other replicas get no shutdown, stop them now
+            for proc in self._children.procs:
+                if proc.is_alive():
+                    proc.terminate()
         self._close_links()
