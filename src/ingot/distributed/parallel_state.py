@@ -93,16 +93,9 @@ def set_tp_group(group: GroupCoordinator | None) -> None:
 
 
 def get_dp_group() -> GroupCoordinator:
-    """This rank's DP column group (this rank alone unless EP spans the replicas)."""
-    override = getattr(_local, "dp", None)
-    if override is not None:
-        return override
+    """This rank's DP column group (this rank alone unless EP spans the replicas; tests pass
+    a group to the layers instead)."""
     return _DP if _DP is not None else GroupCoordinator.single()
-
-
-def set_dp_group(group: GroupCoordinator | None) -> None:
-    """Build layers on this thread under DP ``group`` (None: back to the process's group)."""
-    _local.dp = group
 
 
 def get_ep_size() -> int:
