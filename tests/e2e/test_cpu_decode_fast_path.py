@@ -1,6 +1,6 @@
-"""CPU decode without module dispatch (llama_cpu_decode.py): the same kernel calls as the module
-path (GEMV up to 3 rows, oneDNN above), so the same tokens and logprobs at every batch size, and
-out of the way whenever a hook is installed."""
+"""The CPU-kernel attention backend's decode program (layers/cpu_decode_program.py): the same
+kernel calls as the module path (GEMV up to 3 rows, oneDNN above), so the same tokens and
+logprobs at every batch size, and out of the way whenever a hook is installed."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def _count_calls(fast):
 @pytest.mark.parametrize("batch", [1, 2, 4])  # rows 1 and 2: ingot's GEMV; 4: oneDNN
 def test_fast_path_equals_the_module_path_bit_for_bit(engine, batch):
     llm, model = engine
-    fast = model.cpu_decode
+    fast = model.decode_program
     assert fast is not None
     prompts = [list(range(3 + i, 40 + 3 * i)) for i in range(batch)]
     calls, forward = _count_calls(fast)
@@ -62,18 +62,18 @@ def test_fast_path_equals_the_module_path_bit_for_bit(engine, batch):
     finally:
         fast.forward = forward
     assert calls["n"] == 23  # every decode step after the prefills' tokens
-    model.cpu_decode = None
+    model.decode_program = None
     try:
         want = _run_batch(llm, prompts)
     finally:
-        model.cpu_decode = fast
+        model.decode_program = fast
     # Same kernels, same order: identical tokens and logprobs, not just close.
     assert got == want
 
 
 def test_hooks_take_the_module_path(engine):
     llm, model = engine
-    fast = model.cpu_decode
+    fast = model.decode_program
     calls, forward = _count_calls(fast)
     seen = []
     handle = model.model.layers[0].mlp.register_forward_hook(lambda m, i, o: seen.append(o.shape))
@@ -94,7 +94,7 @@ def test_a_corrupted_weight_pointer_would_be_seen(engine):
     """Broken case: the fast path really reads its own resolved weights (a zeroed layer-0
     gate-up copy changes the output), so the equality above is not a tautology."""
     llm, model = engine
-    fast = model.cpu_decode
+    fast = model.decode_program
     packed = model.model.layers[0].mlp.gate_up_proj.gemv_weight
     saved = packed.clone()
     prompt = list(range(3, 40))
@@ -106,7 +106,7 @@ def test_a_corrupted_weight_pointer_would_be_seen(engine):
     finally:
         with torch.no_grad():
             packed.copy_(saved)
-    assert fast is model.cpu_decode
+    assert fast is model.decode_program
     assert after != before
 
 

@@ -142,6 +142,11 @@ def test_cpu_decode_path_leaves_the_same_aux_states(tmp_path):
 
     from ingot.config import EngineArgs as Args
     from ingot.model_executor.layers.attention import AttentionMetadata
+    from ingot.model_executor.layers.attention_backend import (
+        attention_heads,
+        bind_attention_backend,
+        select_attention_backend,
+    )
     from ingot.model_executor.layers.cpu_kernels import load_cpu_kernels
     from ingot.model_executor.loader.model_loader import load_model
 
@@ -151,13 +156,15 @@ def test_cpu_decode_path_leaves_the_same_aux_states(tmp_path):
                     num_attention_heads=2, num_key_value_heads=1)
     config = Args(model=str(tmp_path), dtype="bfloat16").create_engine_config()
     model = load_model(config.model_config, torch.device("cpu"))
-    assert model.cpu_decode is not None
+    backend = select_attention_backend(torch.device("cpu"), torch.bfloat16, torch.bfloat16,
+                                       False, attention_heads(model))
+    assert bind_attention_backend(model, backend) is not None
     model.model.aux_hidden_state_layers = (2, 4, 5)
     shape = (2, 8, 4, 1, 32)
     results = []
-    for fast in (model.cpu_decode, None):
+    for fast in (model.decode_program, None):
         kv = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(8)]
-        model.cpu_decode = fast
+        model.decode_program = fast
         pos = torch.tensor([0, 0])
         meta = AttentionMetadata.build(pos, [1, 1], torch.tensor([4, 8]),
                                        torch.tensor([[1], [2]]), block_size=4, is_decode=True)

@@ -185,14 +185,19 @@ def test_more_threads_than_cpus_is_allowed() -> None:
     assert plan.threads == 2 and plan.budget.usable == 1
 
 
-def test_step_key_buckets_token_counts() -> None:
+def test_step_key_is_the_steps_bucket_and_its_computed_rows() -> None:
     class SO:
-        def __init__(self, n: int, prefill: bool) -> None:
-            self.total_num_scheduled_tokens, self.is_prefill = n, prefill
+        def __init__(self, n: int, prefill: bool, padded: int) -> None:
+            self.total_num_scheduled_tokens, self.is_prefill, self.num_padded = n, prefill, padded
 
-    assert step_key(SO(1, False)) == (False, 1)
-    assert step_key(SO(3, False)) == step_key(SO(4, False)) == (False, 4)
-    assert step_key(SO(128, True)) == (True, 128)
+    # Prefill: the token bucket, however many of its tokens are real (padding is computed).
+    assert step_key(SO(97, True, 128)) == step_key(SO(128, True, 128)) == (True, 128, 0)
+    # Decode: the batch bucket, and the rows computed in it (a verification step of 2 requests
+    # with 1 draft each is 4 rows: not the same cost as a plain decode of 2 in bucket 4).
+    assert step_key(SO(3, False, 4)) == (False, 4, 3)
+    assert step_key(SO(4, False, 4)) != step_key(SO(2, False, 4))
+    # No bucket grid (num_padded 0): the step's own size.
+    assert step_key(SO(5, False, 0)) == (False, 5, 5)
 
 
 # ---- /proc/stat ------------------------------------------------------------------------------

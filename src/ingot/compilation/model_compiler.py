@@ -141,7 +141,8 @@ def warmup_shapes(config: EngineConfig) -> list[WarmupShape]:
 
 def warmup_scheduler_output(shape: WarmupShape) -> Any:
     """A SchedulerOutput of dummy requests (prompts of token 0) with this shape, all blocks
-    the null block. Their runner state goes with ``ModelRunner.forget_dummy_steps``."""
+    the null block. Each step first finishes the previous shape's dummies of the same ids; the
+    last ones' runner state goes with ``ModelRunner.forget_dummy_steps``."""
     from ingot.core.kv_cache_manager import NULL_BLOCK_ID
     from ingot.core.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
     from ingot.engine.sampling_params import SamplingParams
@@ -155,7 +156,8 @@ def warmup_scheduler_output(shape: WarmupShape) -> Any:
     new = [NewRequestData(i, prompt, SamplingParams()) for i in ids]
     items = [ScheduledRequest(i, num_real, shape.start_position, blocks, False) for i in ids]
     return SchedulerOutput(items, new, is_prefill=prefill, num_padded=shape.num_tokens,
-                           ctx_bucket=None if prefill else shape.start_position + 1)
+                           ctx_bucket=None if prefill else shape.start_position + 1,
+                           finished_req_ids=set(ids))
 
 
 def _source_digest() -> str:
@@ -311,8 +313,6 @@ class ModelCompiler:
 
     def _install(self) -> None:
         layers = self.runner.model.model.layers
-        if getattr(self.runner.model, "cpu_decode", None) is not None:
-            self.runner.model.cpu_decode = None  # batch-1 decode runs the compiled layers too
         for module in layers.modules():
             if getattr(module, "packed_weight", None) is not None:
                 # Dynamo cannot trace oneDNN's opaque pre-packed weights: compiled layers use

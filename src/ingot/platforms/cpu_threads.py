@@ -354,11 +354,17 @@ class CpuThreads:
         return out
 
 
-def step_key(scheduler_output: Any) -> tuple[bool, int]:
-    """Steps whose times are compared: prefill or decode, and the token count rounded up to a
-    power of two (the weights' read dominates a decode step, whatever the context length)."""
-    n = max(1, scheduler_output.total_num_scheduled_tokens)
-    return bool(scheduler_output.is_prefill), 1 << (n - 1).bit_length()
+def step_key(scheduler_output: Any) -> tuple[bool, int, int]:
+    """Steps whose times are compared: the same kind at the same padded size (the shape every
+    op runs at; the weights' read dominates a decode step, whatever the context length), and
+    for decode the rows actually computed too: a verification step of speculative decoding
+    computes 1 + d rows per request inside the same bucket, and costs more than a plain decode
+    of the same requests without any contention."""
+    n = scheduler_output.total_num_scheduled_tokens
+    padded = max(n, scheduler_output.num_padded)
+    if scheduler_output.is_prefill:
+        return True, padded, 0
+    return False, padded, n
 
 
 def start_cpu_threads(config: Any, env: Mapping[str, str] | None = None) -> CpuThreads:

@@ -1,9 +1,11 @@
 """Turns a SchedulerOutput into model inputs, runs the model, samples.
 
-The runner keeps a state per request (sampling params, generator, prompt and sampled tokens,
-block ids) so each step ships only what changed (see ``core/sched_output.py``): the input tokens
-of a step are the runner's own. Input preparation is vectorised: positions, slot mapping and
-block table are built with tensor ops, O(tokens) with no per-token Python.
+The runner keeps a state per request (sampling params, generator, prompt and sampled tokens) and
+a persistent input batch (worker/input_batch.py: each request's row of the block table, and the
+decode batch's sampling metadata) so each step ships only what changed (see
+``core/sched_output.py``): the input tokens of a step are the runner's own. Input preparation is
+vectorised: positions, slot mapping and block table are built with tensor ops, O(tokens) with no
+per-token Python.
 
 Under async scheduling a decode step whose requests are exactly the previous decode step's, in
 the same order, takes that step's sampled-token tensor as its input ids as it is (on a device,
@@ -30,6 +32,7 @@ from ingot.distributed.data_parallel import get_dp_padding
 from ingot.distributed.parallel_state import get_dp_group, get_tp_group
 from ingot.engine.sampling_params import SamplingParams
 from ingot.model_executor.layers.attention import AttentionMetadata
+from ingot.model_executor.layers.attention_backend import TORCH_ATTENTION, AttentionBackend
 from ingot.model_executor.layers.linear import kernel_rows
 from ingot.model_executor.layers.pooler import Pooler, PoolingSegment
 from ingot.model_executor.layers.rejection_sampler import RejectionSampler, SpecDecodeMetadata
@@ -45,6 +48,7 @@ from ingot.spec_decode.eagle3 import Eagle3Proposer, StepRows
 from ingot.spec_decode.ngram import NgramProposer
 from ingot.structured_output.bitmask import apply_grammar_bitmask
 from ingot.worker.cuda_graphs import CaptureFn, DecodeGraphs
+from ingot.worker.input_batch import InputBatch
 from ingot.worker.outputs import (
     ModelRunnerOutput,
     PromptLogprobsChunk,
@@ -63,7 +67,14 @@ class CachedRequestState:
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     prompt_embeds: torch.Tensor | None = None  # [prompt_len, hidden] (replaces token ids)
-    block_ids: list[int] = field(default_factory=list)
+    #: The input batch that holds the request's row (its block ids live there).
+    batch: InputBatch | None = field(default=None, repr=False)
+    req_id: str = ""
+
+    @property
+    def block_ids(self) -> list[int]:
+        assert self.batch is not None
+        return self.batch.block_ids(self.req_id)
 
     def token_ids(self, start: int, n: int) -> list[int]:
         """Tokens at positions [start, start + n) of prompt + sampled tokens."""
@@ -98,10 +109,13 @@ class ModelRunner:
         kv_caches: list[torch.Tensor],
         device: torch.device,
         draft: tuple[nn.Module, list[torch.Tensor]] | None = None,
+        attn_backend: AttentionBackend = TORCH_ATTENTION,
     ) -> None:
         """``draft``: speculative decoding's drafter (a draft model or an EAGLE3 head) and its
-        KV cache."""
+        KV cache. ``attn_backend``: the backend bound to ``model`` (it builds each step's
+        attention metadata)."""
         self.config = config
+        self.attn_backend = attn_backend
         self.model = model
         self.kv_caches = kv_caches
         self.device = device
@@ -115,6 +129,10 @@ class ModelRunner:
         self.dp_sync = config.parallel_config.replicas_synchronise
         self.dummy_steps = 0  # idle-replica steps run (execute_dummy_batch)
         self.requests: dict[str, CachedRequestState] = {}
+        sched = config.scheduler_config
+        lookahead = spec.lookahead_slots if (spec := config.speculative_config) else 0
+        self.input_batch = InputBatch(sched.max_num_seqs,
+                                      cdiv(sched.max_model_len + lookahead, self.block_size))
         self.grid = config.buckets
         self.decode_graphs: DecodeGraphs | None = None
         #: Autograd-free mode of every forward. Precompiled layers switch it to no_grad: their
@@ -197,14 +215,17 @@ class ModelRunner:
         for kv_cache in self.kv_caches:
             kv_cache[:, NULL_BLOCK_ID].zero_()
         self.requests.clear()
+        self.input_batch.clear()
         self._prev_decode = None
         self.async_steps = self.sync_fallback_steps = 0
 
     def update_states(self, so: SchedulerOutput) -> None:
         """Apply the step's changes to the per-request state: finished requests leave, new
         ones arrive, scheduled ones gain their new blocks."""
+        batch = self.input_batch
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
+            batch.remove(req_id)
             if self.proposer is not None:
                 self.proposer.remove(req_id)
             if self.pooler is not None:
@@ -215,7 +236,9 @@ class ModelRunner:
                 p = new.pooling_params
                 self.pooler.add_request(new.req_id, p.task or "embed", bool(p.normalize),
                                         p.dimensions, p.activation is not False)
-                self.requests[new.req_id] = CachedRequestState(None, list(new.prompt_token_ids))
+                self.requests[new.req_id] = CachedRequestState(
+                    None, list(new.prompt_token_ids), batch=batch, req_id=new.req_id)
+                batch.add(new.req_id)
                 continue
             assert new.sampling_params is not None
             generator = None
@@ -224,11 +247,12 @@ class ModelRunner:
                 generator.manual_seed(new.sampling_params.seed)
             self.requests[new.req_id] = CachedRequestState(
                 new.sampling_params, list(new.prompt_token_ids), generator=generator,
-                prompt_embeds=new.prompt_embeds,
+                prompt_embeds=new.prompt_embeds, batch=batch, req_id=new.req_id,
             )
+            batch.add(new.req_id)
         for it in so.scheduled:
             if it.new_block_ids:
-                self.requests[it.req_id].block_ids.extend(it.new_block_ids)
+                batch.append_block_ids(it.req_id, it.new_block_ids)
 
     def _decode_input_ids(self, so: SchedulerOutput, b_pad: int) -> torch.Tensor:
         items = so.scheduled
@@ -266,6 +290,7 @@ class ModelRunner:
         bs = self.block_size
         grid = self.grid
         num_reqs = len(items)
+        batch_rows = self.input_batch.rows([it.req_id for it in items])
         lens = [it.num_tokens for it in items]
         starts = [it.start_position for it in items]
         if so.is_prefill:
@@ -281,7 +306,7 @@ class ModelRunner:
             rows = torch.repeat_interleave(torch.arange(num_reqs), torch.tensor(lens))
             from_zero = all(s == 0 for s in starts)
             if not grid.enabled:
-                width = max(len(st.block_ids) for st in states)
+                width = self.input_batch.max_num_blocks(batch_rows)
             elif from_zero:
                 # First segments attend only to themselves.
                 width = cdiv(n_pad if num_reqs == 1 else max(lens), bs)
@@ -315,21 +340,18 @@ class ModelRunner:
                 assert so.ctx_bucket is not None
                 width = cdiv(so.ctx_bucket, bs)
             else:
-                width = max(len(st.block_ids) for st in states)
+                width = self.input_batch.max_num_blocks(batch_rows)
             query_lens = [1] * b_pad
             sample_rows = (torch.cumsum(torch.tensor(lens), 0) - 1).tolist()
             n_pad = b_pad
             causal = False
-        table = torch.full((max(num_reqs, len(query_lens)), width), NULL_BLOCK_ID, dtype=torch.int64)
-        for row, st in enumerate(states):
-            blocks = st.block_ids[:width]
-            table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+        table = self.input_batch.table(batch_rows, max(num_reqs, len(query_lens)), width)
         slots = torch.full((n_pad,), PAD_SLOT_ID, dtype=torch.int64)
         slots[:total] = slot_mapping(table, rows, real_pos, bs)
         verifying = not so.is_prefill and total > num_reqs
         if verifying:  # each row reads its own request's blocks
             table = torch.cat([table[rows], table[num_reqs:num_reqs + 1].expand(n_pad - total, -1)])
-        meta = AttentionMetadata.build(
+        meta = self.attn_backend.build_metadata(
             positions.to(self.device),
             query_lens,
             slots.to(self.device),
@@ -503,7 +525,8 @@ class ModelRunner:
         same token to its next step: plain greedy rows take the argmax over the vocab shards
         (no logits gathered, identical on every rank); anything else samples on the gathered
         logits and rank 0's tokens are broadcast."""
-        metadata = self._sampling_metadata(states)
+        metadata = self.input_batch.sampling_metadata(
+            sample_reqs, lambda: self._sampling_metadata(states))
         tp = self.tp_group
         if tp.world_size > 1 and metadata.argmax_only and so.grammar_bitmask is None:
             result = SamplerOutput(

@@ -19,6 +19,13 @@ from ingot.config import EngineConfig
 from ingot.core.kv_cache_manager import cdiv
 from ingot.core.sched_output import SchedulerOutput
 from ingot.distributed.layouts import kv_heads_per_rank
+from ingot.model_executor.layers.attention_backend import (
+    TORCH_ATTENTION,
+    AttentionBackend,
+    attention_heads,
+    bind_attention_backend,
+    select_attention_backend,
+)
 from ingot.model_executor.layers.linear import resident_weight_bytes
 from ingot.model_executor.loader.model_loader import load_model
 from ingot.model_executor.models.llama import head_dim_of
@@ -264,6 +271,12 @@ class Worker:
             if spec is not None and spec.draft_model_config is not None else None
         )
         self.load_seconds = time.perf_counter() - start
+        self.kv_dtype = config.cache_config.torch_dtype(config.model_config.dtype)
+        # How attention runs, chosen once for each model (the draft's heads may differ).
+        self.attn_backend = self._bind_attention_backend(self.model, config.model_config.dtype)
+        if self.draft_model is not None:
+            assert spec is not None and spec.draft_model_config is not None
+            self._bind_attention_backend(self.draft_model, spec.draft_model_config.dtype)
         # What the weights occupy, the kernels' derived layouts included (the KV budget is
         # what memory they leave).
         self.load_bytes = resident_weight_bytes(self.model) + (
@@ -274,13 +287,25 @@ class Worker:
             rank=self.global_rank,
             device_type=self.device.type,
         )
-        self.kv_dtype = config.cache_config.torch_dtype(config.model_config.dtype)
         self.num_blocks = 0
         self.kv_caches: list[torch.Tensor] = []
         self.model_runner: ModelRunner | None = None
         self.compile_seconds = 0.0
         self.compiler: Any = None
         self.warmup_seconds = 0.0
+
+    def _bind_attention_backend(self, model: torch.nn.Module, dtype: torch.dtype) -> AttentionBackend:
+        heads = attention_heads(model)
+        if heads is None:  # an encoder: its attention is not over a KV cache
+            return TORCH_ATTENTION
+        backend = select_attention_backend(self.device, dtype, self.kv_dtype,
+                                           self.config.compilation.enabled, heads)
+        program = bind_attention_backend(model, backend)
+        logger.info("attention backend: %s (%s, KV cache %s%s)%s", backend.name,
+                    str(dtype).removeprefix("torch."), str(self.kv_dtype).removeprefix("torch."),
+                    ", compiled" if self.config.compilation.enabled else "",
+                    "; decode steps run its decode program" if program is not None else "")
+        return backend
 
     def determine_num_blocks(self) -> int:
         # Memory still free now, plus what the weights took: the total before loading.
@@ -305,7 +330,8 @@ class Worker:
         if self.kv_dtype == torch.float8_e4m3fn:
             self._set_fp8_scales()
         draft = (self.draft_model, draft_caches) if self.draft_model is not None else None
-        self.model_runner = ModelRunner(config, self.model, self.kv_caches, self.device, draft)
+        self.model_runner = ModelRunner(config, self.model, self.kv_caches, self.device, draft,
+                                        self.attn_backend)
         # Compile every bucket before the engine reports ready (nothing compiles while serving).
         if config.compilation.enabled:
             from ingot.compilation.model_compiler import ModelCompiler

@@ -15,12 +15,6 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from ingot.model_executor.layers.cpu_kernels import (
-    CpuKernels,
-    decode_attention_bf16,
-    write_kv_bf16,
-)
-
 
 @dataclass
 class AttentionMetadata:
@@ -187,24 +181,6 @@ def write_kv_cache(
         flat.index_copy_(0, rows, torch.where(valid, stored, flat[rows]))
 
 
-def cpu_decode_applies(
-    cpu_kernels: CpuKernels | None,
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    kv_scales: KVScales | None = None,
-) -> bool:
-    """ingot's decode-attention kernel serves this step: one token per request, bf16 query and
-    cache (FP8 caches keep the torch path), no FP8 calibration running."""
-    return (
-        cpu_kernels is not None
-        and meta.is_decode
-        and kv_cache.dtype == torch.bfloat16
-        and query.dtype == torch.bfloat16
-        and not (kv_scales is not None and kv_scales.calibrating)
-    )
-
-
 def paged_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -214,29 +190,18 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     kv_scales: KVScales | None = None,
-    cpu_kernels: CpuKernels | None = None,
     kv_written: bool = False,
 ) -> torch.Tensor:
-    """query [T, H, D], key/value [T, Hkv, D] -> output [T, H * D] (rows past the actual tokens
-    are zero). ``cpu_kernels``: decode of a bf16 cache writes and reads the blocks in place with
-    ingot's kernel instead of gathering them for SDPA (see cpu_kernels.py). ``kv_written``: the
-    caller already wrote key/value into the cache (through rope_write_kv_bf16)."""
-    if cpu_decode_applies(cpu_kernels, query, kv_cache, meta, kv_scales):
-        return decode_attention_bf16(
-            cpu_kernels, query, key, value, kv_cache, None if kv_written else meta.slot_mapping,
-            meta.block_table, meta.seq_lens, scale, sliding_window,
-        )
+    """query [T, H, D], key/value [T, Hkv, D] (rotated) -> output [T, H * D] (rows past the
+    actual tokens are zero), with torch ops: key/value are written into the cache (unless
+    ``kv_written``: the attention backend already did), then each request attends to its
+    context through its block-table row."""
     num_tokens, num_heads, head_dim = query.shape
-    if kv_scales is not None and kv_scales.calibrating:
-        kv_scales.observe(key, value, meta.num_actual_tokens)
     if not kv_written:
-        if cpu_kernels is not None and kv_cache.dtype == torch.bfloat16 == key.dtype:
-            write_kv_bf16(cpu_kernels, key, value, kv_cache, meta.slot_mapping)
-        else:
-            write_kv_cache(
-                kv_cache, key, value, meta.slot_mapping, kv_scales, meta.write_slots,
-                meta.write_valid,
-            )
+        write_kv_cache(
+            kv_cache, key, value, meta.slot_mapping, kv_scales, meta.write_slots,
+            meta.write_valid,
+        )
 
     num_reqs, max_q = meta.num_reqs, meta.max_query_len
     n = meta.num_actual_tokens

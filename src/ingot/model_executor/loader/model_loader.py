@@ -63,8 +63,6 @@ def load_model(
         "INGOT_DISABLE_PACKED_LINEAR"
     ):
         pack_linear_weights(model, keep_plain=keep_plain_weights)
-        if hasattr(model, "enable_cpu_decode"):
-            model.enable_cpu_decode()
     nbytes = resident_weight_bytes(model)
     logger.info(
         "loaded %s (%s, %.1f MB resident, derived kernel layouts included) in %.2fs",

@@ -29,9 +29,6 @@ def as_classification_model(causal_cls: type[nn.Module]) -> type[nn.Module]:
         def classify(self, pooled: torch.Tensor) -> torch.Tensor:
             return self.score(pooled)
 
-        def enable_cpu_decode(self) -> bool:
-            return False  # prefill only
-
         def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
             seen: set[str] = set()
 

@@ -24,19 +24,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from ingot.distributed.parallel_state import get_tp_group
-from ingot.model_executor.layers.attention import (
-    AttentionMetadata,
-    KVScales,
-    cpu_decode_applies,
-    paged_attention,
-)
-from ingot.model_executor.layers.cpu_kernels import (
-    CpuKernels,
-    decode_attention_bf16,
-    decode_attention_supported,
-    rope_write_kv_bf16,
-    silu_mul_bf16,
-)
+from ingot.model_executor.layers.attention import AttentionMetadata, KVScales
+from ingot.model_executor.layers.attention_backend import TORCH_ATTENTION, AttentionBackend
+from ingot.model_executor.layers.cpu_kernels import CpuKernels, silu_mul_bf16
 from ingot.model_executor.layers.layernorm import RMSNorm
 from ingot.model_executor.layers.linear import (
     MergedColumnParallelLinear,
@@ -79,11 +69,9 @@ class DecoderAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.sliding_window: int | None = None
         self.kv_scales = KVScales()
-        self.cpu_kernels: CpuKernels | None = None  # ingot's decode-attention kernel (bf16 CPU)
-
-    def attach_cpu_kernels(self, kernels: CpuKernels) -> None:
-        if decode_attention_supported(self.num_heads, self.num_kv_heads, self.head_dim):
-            self.cpu_kernels = kernels
+        # How attention runs: chosen once for the model (layers/attention_backend.py); plain
+        # torch until the worker binds the chosen one.
+        self.attn_backend: AttentionBackend = TORCH_ATTENTION
 
     def forward(
         self,
@@ -98,40 +86,9 @@ class DecoderAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        cos_sin = self.rotary.cos_sin_cache
-        if (
-            self.q_norm is None
-            and cos_sin.dtype == torch.bfloat16
-            and not meta.rows_share_sequences
-            and cpu_decode_applies(self.cpu_kernels, q, kv_cache, meta, self.kv_scales)
-        ):
-            # Decode: rotary, the cache write and attention in one kernel call (not when rows
-            # of one sequence attend to each other: below, all rows are written first).
-            out = decode_attention_bf16(
-                self.cpu_kernels, q, k, v, kv_cache, meta.slot_mapping, meta.block_table,
-                meta.seq_lens, self.scale, self.sliding_window, positions, cos_sin,
-            )
-            return self.o_proj(out)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        kv_written = False
-        if (
-            self.cpu_kernels is not None
-            and cos_sin.dtype == torch.bfloat16 == q.dtype == kv_cache.dtype
-            and not self.kv_scales.calibrating
-        ):
-            # Rotary and the cache write in one kernel call (prefill, or decode of a q/k-normed
-            # model, which the fused decode kernel above does not take).
-            q, k = rope_write_kv_bf16(
-                self.cpu_kernels, q, k, v, positions, cos_sin, kv_cache, meta.slot_mapping
-            )
-            kv_written = True
-        else:
-            q, k = self.rotary(positions, q, k)
-        out = paged_attention(
-            q, k, v, kv_cache, meta, self.scale, self.sliding_window, self.kv_scales,
-            self.cpu_kernels, kv_written,
-        )
+        out = self.attn_backend.attend(self, positions, q, k, v, kv_cache, meta)
         return self.o_proj(out)
 
 
@@ -261,7 +218,9 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.sliding_window = window
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.cpu_decode: Any = None  # LlamaCpuDecode, set by enable_cpu_decode()
+        # The attention backend's program for whole decode steps (CpuDecodeProgram), when the
+        # backend bound to the model has one (bind_attention_backend).
+        self.decode_program: Any = None
         self.tp_size = get_tp_group().world_size
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
         if self.tie_word_embeddings:
@@ -294,20 +253,10 @@ class LlamaForCausalLM(nn.Module):
         (engine/prompt_embeds.py); given together or not at all."""
         if inputs_embeds is not None:
             return self.model(input_ids, positions, kv_caches, meta, inputs_embeds, is_token_ids)
-        fast = self.cpu_decode
-        if fast is not None and fast.applies(input_ids, kv_caches, meta):
-            return fast.forward(input_ids, positions, kv_caches, meta)
+        program = self.decode_program
+        if program is not None and program.serves(meta):
+            return program.forward(input_ids, positions, kv_caches, meta)
         return self.model(input_ids, positions, kv_caches, meta)
-
-    def enable_cpu_decode(self) -> bool:
-        """Batch-1 decode through ingot's CPU kernels without module dispatch (after packing;
-        llama_cpu_decode.py). Returns whether every layer could take it."""
-        from ingot.model_executor.models.llama_cpu_decode import LlamaCpuDecode
-
-        if self.tp_size > 1:
-            return False  # its kernel sequence has no all-reduce between the layers' halves
-        self.cpu_decode = LlamaCpuDecode.build(self)
-        return self.cpu_decode is not None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary (gathered from the shards under TP)."""

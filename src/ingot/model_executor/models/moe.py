@@ -26,8 +26,8 @@ _FUSED = re.compile(r"^(.*\.mlp)\.experts\.(gate_up_proj|down_proj)$")
 
 
 class _MoEMixin:
-    """What the two architectures share: the expert loaders, and no batch-1 fast path (its
-    kernel sequence is the dense MLP's)."""
+    """What the two architectures share: the expert loaders. (The CPU decode program does not
+    build for them: its kernel sequence is the dense MLP's.)"""
 
     #: Why the layers run eagerly (config.py reads it): the expert grouping's per-expert
     #: token counts are data-dependent shapes, which a full-graph compile cannot take.
@@ -35,9 +35,6 @@ class _MoEMixin:
 
     #: checkpoint projection name -> (our stacked parameter, shard id)
     expert_projections: dict[str, tuple[str, int]] = {}
-
-    def enable_cpu_decode(self) -> bool:
-        return False
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded = super().load_weights(weights)  # type: ignore[misc]

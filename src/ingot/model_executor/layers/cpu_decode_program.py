@@ -1,15 +1,16 @@
-"""Decode of the Llama-family model straight through ingot's CPU kernels, without modules.
+"""The CPU-kernel attention backend's decode program: a whole decode step of a Llama-family
+decoder straight through ingot's CPU kernels, without modules (layers/attention_backend.py
+builds it when it is chosen; the model runs it for every decode step it serves).
 
 Why: at batch 1 the kernels themselves take ~16 ms of a ~25 ms step on the project machine, and
 at batch 64 ~14 ms of an ~81 ms forward is Python: nn.Module dispatch, argument conversion and
-output allocation in the kernel wrappers, ~10 calls per layer. This path makes the same kernel
+output allocation in the kernel wrappers, ~10 calls per layer. This program makes the same kernel
 calls in the same order (so its output equals the module path's bit for bit, tested): ingot's
 GEMV for up to GEMV_MAX_ROWS rows and oneDNN's packed linear above, as the linear layers choose,
 with every weight resolved once, per-step arguments converted once, and activations in buffers
-reused across layers. It serves only what the module path would send to the same kernels: one
-token per sequence, bf16 weights and cache, no q/k norm, no FP8 calibration, and no forward hooks
-anywhere (the accuracy toolkit's captures and replacements hook modules, so they keep the module
-path).
+reused across layers. It is built only for decoders it reproduces exactly (dense MLPs, no q/k
+norm, one rank), and steps aside while a forward hook is installed anywhere (the accuracy
+toolkit's captures and replacements hook modules, so they keep the module path).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def _has_hooks(module: nn.Module) -> bool:
     return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
 
 
-class LlamaCpuDecode:
+class CpuDecodeProgram:
     """Built by :meth:`build` for a loaded, packed model (None when any layer cannot take it)."""
 
     def __init__(self, model: nn.Module, kernels: CpuKernels) -> None:
@@ -62,7 +63,7 @@ class LlamaCpuDecode:
                 layer.post_attention_layernorm.eps,
                 m.gate_up_proj.gemv_weight.data_ptr(), _ptr(m.gate_up_proj.bias_f32),
                 m.down_proj.gemv_weight.data_ptr(), _ptr(m.down_proj.bias_f32),
-                a.sliding_window or 0, a.scale, a.kv_scales,
+                a.sliding_window or 0, a.scale,
             ))
         # oneDNN's operands of the same four linears, for batches above GEMV_MAX_ROWS.
         self.packed = [tuple((lin.packed_weight, lin.bias) for lin in (
@@ -82,39 +83,32 @@ class LlamaCpuDecode:
         return self._buffers[rows]
 
     @classmethod
-    def build(cls, model: nn.Module) -> LlamaCpuDecode | None:
+    def build(cls, model: nn.Module, kernels: CpuKernels) -> CpuDecodeProgram | None:
+        from ingot.distributed.parallel_state import get_tp_group
+
+        if get_tp_group().world_size > 1:
+            return None  # its kernel sequence has no all-reduce between the layers' halves
         decoder = getattr(model, "model", None)
         layers = getattr(decoder, "layers", None)
-        if not layers:
+        if not layers or getattr(decoder, "norm", None) is None:
             return None
-        kernels = None
         for layer in layers:
             a, m = layer.self_attn, layer.mlp
-            parts = (layer.input_layernorm, layer.post_attention_layernorm, a, m)
-            linears = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
-            if any(p.cpu_kernels is None for p in parts + linears):
-                return None
-            if any(lin.gemv_weight is None or lin.packed_weight is None for lin in linears):
+            linears = (a.qkv_proj, getattr(a, "o_proj", None), getattr(m, "gate_up_proj", None),
+                       getattr(m, "down_proj", None))
+            if any(lin is None or lin.gemv_weight is None or lin.packed_weight is None
+                   for lin in linears):
+                return None  # unpacked, or not a dense MLP (MoE)
+            norms = (layer.input_layernorm, layer.post_attention_layernorm, decoder.norm)
+            if any(n.cpu_kernels is None for n in norms) or m.cpu_kernels is None:
                 return None
             if a.q_norm is not None:
                 return None
-            if a.rotary.cos_sin_cache.dtype != torch.bfloat16:
-                return None
-            kernels = a.cpu_kernels
-        if decoder.norm.cpu_kernels is None:
-            return None
         return cls(model, kernels)
 
-    def applies(
-        self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
-    ) -> bool:
-        return (
-            meta.is_decode
-            and input_ids.device.type == "cpu"
-            and kv_caches[0].dtype == torch.bfloat16
-            and not any(layer[-1].calibrating for layer in self.layers)
-            and not _has_hooks(self.model)
-        )
+    def serves(self, meta: AttentionMetadata) -> bool:
+        """A decode step, with no hook anywhere that the program would bypass."""
+        return meta.is_decode and not _has_hooks(self.model)
 
     @torch.inference_mode()
     def forward(
@@ -162,7 +156,7 @@ class LlamaCpuDecode:
         for i, (cache, layer, packed) in enumerate(zip(kv_caches, self.layers, self.packed,
                                                        strict=True)):
             (in_w, in_eps, qkv_w, qkv_b, o_w, o_b, post_w, post_eps, gu_w, gu_b, down_w, down_b,
-             window, scale, _) = layer
+             window, scale) = layer
             if residual_in == rp:
                 rms(h.data_ptr(), rp, in_w, xp, rp, rows, hidden, in_eps, threads)
             else:
