@@ -46,6 +46,7 @@ from ingot.worker.multiproc_executor import (
     ChildProcesses,
     WorkerProcessError,
     _watch_parent,
+    wait_started,
 )
 
 logger = logging.getLogger("ingot")
@@ -402,31 +403,14 @@ class DPEngineCoreClient:
 
     def _wait_started(self, timeout_s: float) -> list[dict[str, Any]]:
         """Every replica's first stats, rank order; a replica that fails, exits or stays
-        silent for ``timeout_s`` is named by its rank."""
-        ready: dict[int, dict[str, Any]] = {}
-        deadline = time.monotonic() + timeout_s
-        while len(ready) < self.dp_size:
-            message = self._recv(_IDLE_POLL_S)
-            if message is not None:
-                rank, status, value = message
-                if status == "error":
-                    raise WorkerProcessError(
-                        f"data-parallel rank {rank} failed during start:\n{value}")
-                if status == "ready":
-                    ready[rank] = value
-                continue
-            dead = self._children.dead_child()
-            if dead is not None:
-                raise WorkerProcessError(dead)
-            if time.monotonic() > deadline:
-                missing = sorted(set(range(self.dp_size)) - set(ready))
-                raise WorkerProcessError(
-                    f"data-parallel rank(s) {missing} did not start within {timeout_s:.0f} s"
-                    + (" (ranks of other nodes start with ingot serve --headless)"
-                       if any(r >= self.num_local for r in missing) else ""))
+        silent for ``timeout_s`` is named by its rank (as the executor's workers are)."""
+        hint = (" (the ranks of other nodes start with ingot serve --headless)"
+                if self._remote is not None else "")
+        stats = wait_started(self.dp_size, self._recv, self._children.dead_child, timeout_s,
+                             "data-parallel rank", hint)
         if self._remote is not None:  # from now on their launchers' heartbeats count
             self._remote.last_seen = dict.fromkeys(self._remote.last_seen, time.monotonic())
-        return [ready[r] for r in range(self.dp_size)]
+        return stats
 
     def _close_links(self) -> None:
         self._children.close()

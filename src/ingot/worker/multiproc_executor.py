@@ -105,6 +105,33 @@ def _cleanup(procs: list[Any], ctx: zmq.Context, tmpdir: str) -> None:
     shutil.rmtree(tmpdir, ignore_errors=True)
 
 
+def wait_started(count: int, recv: Callable[[float], tuple[int, str, Any] | None],
+                 dead_child: Callable[[], str | None], timeout_s: float, kind: str,
+                 hint: str = "") -> list[Any]:
+    """The first reply of each of ``count`` children (their start-up), in index order. A child
+    that fails (an "error" reply), exits (``dead_child``) or stays silent for ``timeout_s`` is
+    named by its index (``kind``: "worker rank", "data-parallel rank"); ``hint`` follows the
+    names of the silent ones."""
+    replies: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(replies) < count:
+        message = recv(_POLL_S)
+        if message is not None:
+            i, status, value = message
+            if status == "error":
+                raise WorkerProcessError(f"{kind} {i} failed during start:\n{value}")
+            replies[i] = value
+            continue
+        dead = dead_child()
+        if dead is not None:
+            raise WorkerProcessError(dead)
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(count)) - set(replies))
+            raise WorkerProcessError(f"{kind}(s) {missing} did not start within "
+                                     f"{timeout_s:.0f} s{hint}")
+    return [replies[i] for i in range(count)]
+
+
 class ChildProcesses:
     """Spawned child processes, each with a PUSH socket from the parent (``send``) and one PULL
     socket they all answer on (``recv``), in a private temporary directory that also holds the
@@ -163,27 +190,8 @@ class ChildProcesses:
         return None
 
     def wait_started(self, timeout_s: float) -> list[Any]:
-        """Each child's first reply (its start-up), in index order; a child that fails, exits
-        or stays silent for ``timeout_s`` is named in the error."""
-        replies: dict[int, Any] = {}
-        deadline = time.monotonic() + timeout_s
-        while len(replies) < self.count:
-            message = self.recv(_POLL_S)
-            if message is not None:
-                i, status, value = message
-                if status == "error":
-                    raise WorkerProcessError(f"{self.kind} {i} failed during start:\n{value}")
-                replies[i] = value
-                continue
-            dead = self.dead_child()
-            if dead is not None:
-                raise WorkerProcessError(dead)
-            if time.monotonic() > deadline:
-                missing = sorted(set(range(self.count)) - set(replies))
-                raise WorkerProcessError(
-                    f"{self.kind}(s) {missing} did not start within {timeout_s:.0f} s"
-                )
-        return [replies[i] for i in range(self.count)]
+        """Each child's first reply (its start-up), in index order (``wait_started``)."""
+        return wait_started(self.count, self.recv, self.dead_child, timeout_s, self.kind)
 
     def close(self) -> None:
         self.finalizer()
