@@ -192,8 +192,8 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        """Worker processes (ranks) of all replicas: TP x DP (rank = dp_rank * TP + tp_rank).
-        On one host they share its CPUs and memory (worker.rank_thread_config, the KV plan)."""
+        """Worker processes (ranks) of all replicas: TP x DP (rank = dp_rank * TP + tp_rank);
+        those of one host (``host_ranks``) share its CPUs and memory."""
         return self.tensor_parallel_size * self.data_parallel_size
 
     def global_rank(self, tp_rank: int) -> int:
