@@ -417,7 +417,7 @@ def test_per_rank_bind_lists_vllm_form() -> None:
 
     assert rank_bind_lists("0-1|2-3", 2, "X") == ["0-1", "2-3"]
     assert rank_bind_lists(" 0 | nobind ", 2, "X") == ["0", "nobind"]
-    with pytest.raises(ValueError, match="X='0-1' has 1 CPU lists for 2 ranks"):
+    with pytest.raises(ValueError, match="X='0-1' has 1 parts for 2 ranks"):
         rank_bind_lists("0-1", 2, "X")
     with pytest.raises(ValueError, match="CPU 1 is in the lists of ranks 0 and 1"):
         rank_bind_lists("0-1|1-2", 2, "VLLM_CPU_OMP_THREADS_BIND")

@@ -5,7 +5,6 @@ TP 2 engine with the faster shared-memory collectives)."""
 
 from __future__ import annotations
 
-import pickle
 from collections import deque
 from types import SimpleNamespace
 
@@ -16,8 +15,7 @@ def test_an_early_reply_waits_for_its_own_call():
     ex = MultiprocExecutor.__new__(MultiprocExecutor)  # no processes: scripted replies
     ex.world_size, ex._early, ex._dead = 2, {}, None
     ex.check_health = lambda: None
-    arrivals = deque(pickle.dumps(m) for m in [(1, "ok", "a1"), (1, "ok", "b1"),
-                                               (0, "ok", "a0"), (0, "ok", "b0")])
-    ex._results = SimpleNamespace(poll=lambda ms: bool(arrivals), recv=arrivals.popleft)
+    arrivals = deque([(1, "ok", "a1"), (1, "ok", "b1"), (0, "ok", "a0"), (0, "ok", "b0")])
+    ex._children = SimpleNamespace(recv=lambda s: arrivals.popleft() if arrivals else None)
     assert ex._gather(timeout=5) == ["a0", "a1"]
     assert ex._gather(timeout=5) == ["b0", "b1"]

@@ -39,3 +39,13 @@ def test_bad_settings_name_what_to_change(tiny_llama_dir, tp, additional, match)
 def test_the_same_buckets_pass_without_sequence_parallel(tiny_llama_dir):
     """The bucket rule is SP's: without it a bucket TP does not divide is fine."""
     _config(tiny_llama_dir, num_batched_tokens_buckets=[6, 16, 64], tp=4)
+
+
+def test_refused_with_expert_parallel_across_replicas(tmp_path):
+    from tiny import make_tiny_model
+
+    path = make_tiny_model("qwen3_moe", tmp_path / "moe", vocab_size=259)
+    with pytest.raises(ValueError, match="not supported yet with --enable-expert-parallel"):
+        EngineArgs(model=str(path), dtype="float32", skip_tokenizer_init=True, max_model_len=64,
+                   tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True,
+                   additional_config={"sequence_parallel_prefill": True}).create_engine_config()

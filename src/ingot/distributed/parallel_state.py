@@ -16,12 +16,15 @@ import torch
 import torch.distributed as dist
 
 from ingot.distributed.group import GroupCoordinator
-from ingot.distributed.layouts import tp_group_ranks
+from ingot.distributed.layouts import dp_column_group_ranks, tp_group_ranks
 
 logger = logging.getLogger("ingot")
 
 _TP: GroupCoordinator | None = None
 _WORLD: GroupCoordinator | None = None
+# The DP column group (the same TP position in every replica): only expert parallelism across
+# the replicas joins them in one world (distributed/data_parallel.py); otherwise this rank alone.
+_DP: GroupCoordinator | None = None
 # Expert parallelism (spec §3) re-reads the TP group for the MoE layers: its degree decides
 # which experts a rank holds. Process-wide (init_distributed sets it), with a per-thread
 # override (get_ep_size).
@@ -38,10 +41,11 @@ def init_distributed(world_size: int, rank: int, init_method: str, tp_size: int,
                      device: torch.device, timeout_s: float = 600.0,
                      ep_size: int = 1, sequence_parallel: bool = False) -> GroupCoordinator:
     """Join the world (``init_method`` is tcp://host:port or file://path) and build the TP
-    groups; returns this rank's TP group. ``ep_size``: the MoE layers' expert-parallel degree
-    (they re-read the TP group, so no group of their own is needed: one all-reduce over TP
-    sums every partial)."""
-    global _TP, _WORLD, _EP_SIZE, _SEQUENCE_PARALLEL
+    groups, and the DP column groups when the world spans several replicas (world > TP:
+    expert parallelism across them); returns this rank's TP group. ``ep_size``: the MoE
+    layers' expert-parallel degree (within a replica they re-read the TP group, so no group of
+    their own is needed: one all-reduce over TP sums every partial)."""
+    global _TP, _WORLD, _EP_SIZE, _DP, _SEQUENCE_PARALLEL
     _EP_SIZE = ep_size
     _SEQUENCE_PARALLEL = sequence_parallel
     backend = backend_for(device)
@@ -65,8 +69,16 @@ def init_distributed(world_size: int, rank: int, init_method: str, tp_size: int,
     # Ranks on this host all-reduce through shared memory (gloo between hosts; shm_comm.py).
     mine.enable_shm(timeout_s=timeout_s)
     _TP = mine
-    logger.info("torch.distributed (%s): rank %d of %d, TP group %s, EP degree %d, "
-                "TP collectives over %s", backend, rank, world_size, mine.ranks, ep_size,
+    _DP = None
+    if world_size > tp_size:
+        for ranks in dp_column_group_ranks(world_size, tp_size, world_size // tp_size):
+            group = dist.group.WORLD if len(ranks) == world_size else dist.new_group(
+                ranks, backend=backend)
+            if rank in ranks:
+                _DP = GroupCoordinator(ranks, rank, group, backend)
+    logger.info("torch.distributed (%s): rank %d of %d, TP group %s, DP group %s, EP degree %d, "
+                "TP collectives over %s", backend, rank, world_size, mine.ranks,
+                _DP.ranks if _DP else [rank], ep_size,
                 "shared memory" if mine.shm is not None else backend)
     return mine
 
@@ -85,6 +97,12 @@ def get_tp_group() -> GroupCoordinator:
 def set_tp_group(group: GroupCoordinator | None) -> None:
     """Build layers on this thread under ``group`` (None: back to the process's group)."""
     _local.tp = group
+
+
+def get_dp_group() -> GroupCoordinator:
+    """This rank's DP column group (this rank alone unless EP spans the replicas; tests pass
+    a group to the layers instead)."""
+    return _DP if _DP is not None else GroupCoordinator.single()
 
 
 def get_ep_size() -> int:
@@ -123,11 +141,11 @@ def set_sequence_parallel(enabled: bool | None) -> None:
 
 
 def destroy_distributed() -> None:
-    global _TP, _WORLD, _EP_SIZE, _SEQUENCE_PARALLEL
+    global _TP, _WORLD, _EP_SIZE, _DP, _SEQUENCE_PARALLEL
     _SEQUENCE_PARALLEL = False
     if _TP is not None and _TP.shm is not None:
         _TP.shm.close()
-    _TP = _WORLD = None
+    _TP = _WORLD = _DP = None
     _EP_SIZE = 1
     if dist.is_initialized():
         dist.destroy_process_group()

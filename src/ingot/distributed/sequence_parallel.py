@@ -32,15 +32,22 @@ _state = threading.local()
 CONFIG_KEY = "sequence_parallel_prefill"
 
 
-def sequence_parallel_prefill(additional_config: dict[str, Any], tp: int, buckets: Any) -> bool:
+def sequence_parallel_prefill(additional_config: dict[str, Any], tp: int, buckets: Any,
+                              replicas_synchronise: bool = False) -> bool:
     """Whether prefill steps run sequence-parallel, validated at start-up: a boolean; with
     TP > 1 it needs bucketing (every prefill step then has a bucket's token count) and every
-    prefill bucket above TP and divisible by it. ``buckets``: the engine's core.buckets.BucketGrid."""
+    prefill bucket above TP and divisible by it. ``buckets``: the engine's core.buckets.BucketGrid;
+    ``replicas_synchronise``: expert parallelism across data-parallel replicas (refused)."""
     value = additional_config.get(CONFIG_KEY, False)
     if not isinstance(value, bool):
         raise ValueError(f"additional_config.{CONFIG_KEY} must be true or false, got {value!r}")
     if not value or tp == 1:
         return False
+    if replicas_synchronise:
+        # An idle replica's dummy batch is decode-shaped, so its collectives could not pair
+        # with a replica's sequence-parallel prefill.
+        raise ValueError(f"additional_config.{CONFIG_KEY} is not supported yet with "
+                         "--enable-expert-parallel across data-parallel replicas; drop one")
     if not buckets.enabled:
         raise ValueError(
             f"additional_config.{CONFIG_KEY} needs enable_bucketing (each prefill step's token "

@@ -86,7 +86,7 @@ def rank_bind_lists(text: str, ranks: int, what: str) -> list[str]:
     lists: two ranks' threads on one CPU would wait for each other at every op."""
     parts = [p.strip() for p in text.split("|")]
     if len(parts) != ranks:
-        raise ValueError(f"{what}={text!r} has {len(parts)} CPU lists for {ranks} ranks; give "
+        raise ValueError(f"{what}={text!r} has {len(parts)} parts for {ranks} ranks; give "
                          "one list per rank, separated by '|'")
     owner: dict[int, int] = {}
     for rank, part in enumerate(parts):
