@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ingot.core.buckets import BucketGrid
+from ingot.distributed.sequence_parallel import sequence_parallel_prefill
 from ingot.errors import ModelNotFoundError
 
 logger = logging.getLogger("ingot")
@@ -55,6 +56,7 @@ KNOWN_ADDITIONAL_CONFIG = {
     "calibrate_kv_scales",
     "max_num_prefills_per_step",
     "ep_degree",  # expert-parallel degree (spec §3; validated, not built yet)
+    "sequence_parallel_prefill",  # TP prefill in [T/TP, H] layout (spec §1)
 }
 # Prompts packed into one prefill step by default (eager layers). Chosen by measurement on the
 # project's CPU (docs/PERFORMANCE.md, "Packed prefill"); 1 is the original design's rule.
@@ -158,11 +160,50 @@ class ParallelConfig:
     enable_expert_parallel: bool = False
     #: Expert-parallel degree of the MoE layers (1: experts split by TP; spec §3).
     ep_degree: int = 1
+    #: Prefill steps in sequence-parallel layout (additional_config.sequence_parallel_prefill;
+    #: distributed/sequence_parallel.py). Only with TP > 1.
+    sequence_parallel_prefill: bool = False
+    #: Which replica this engine core is (set in each data-parallel engine process).
+    data_parallel_rank: int = 0
+    #: The rendezvous of one torch.distributed world over every replica's ranks, when expert
+    #: parallelism spans the replicas (set by the data-parallel front end).
+    distributed_init_method: str | None = None
+    #: Multi-node DP (vLLM's flags): the replicas this node runs, the first one's rank, and
+    #: where the API server's node listens for the other nodes' replicas.
+    data_parallel_size_local: int | None = None  # None: all of them
+    data_parallel_start_rank: int = 0
+    data_parallel_address: str = "127.0.0.1"
+    data_parallel_rpc_port: int = 29550
+
+    @property
+    def host_ranks(self) -> int:
+        """Ranks on this host (TP x the local replicas): they share its CPUs and memory."""
+        return self.tensor_parallel_size * self.local_replicas
+
+    @property
+    def local_replicas(self) -> int:
+        local = self.data_parallel_size_local
+        return self.data_parallel_size if local is None else local
+
+    def host_index(self, global_rank: int) -> int:
+        """A global rank's index among this host's ranks (a bind list has one part each)."""
+        return global_rank - self.data_parallel_start_rank * self.tensor_parallel_size
+
+    @property
+    def replicas_synchronise(self) -> bool:
+        """EP across data-parallel replicas: their MoE layers exchange tokens, so they step in
+        lockstep (DP padding, dummy batches; distributed/data_parallel.py)."""
+        return self.enable_expert_parallel and self.data_parallel_size > 1
 
     @property
     def world_size(self) -> int:
-        """Worker processes (ranks): TP x DP (rank = dp_rank * TP + tp_rank)."""
+        """Worker processes (ranks) of all replicas: TP x DP (rank = dp_rank * TP + tp_rank);
+        those of one host (``host_ranks``) share its CPUs and memory."""
         return self.tensor_parallel_size * self.data_parallel_size
+
+    def global_rank(self, tp_rank: int) -> int:
+        """The global rank of this replica's TP rank ``tp_rank`` (spec §0)."""
+        return self.data_parallel_rank * self.tensor_parallel_size + tp_rank
 
 
 @dataclass
@@ -448,12 +489,17 @@ class EngineArgs:
     cache_dir: str | None = None  # compile cache root (default $INGOT_CACHE_ROOT, ~/.cache/ingot)
     # vLLM's names. None: "uni" for one worker, "mp" for several.
     distributed_executor_backend: str | None = None
-    # Parallelism (vLLM's names; docs/parallelism.md). DP, PP and EP are validated and then
-    # refused as not built yet.
+    # Parallelism (vLLM's names; docs/parallelism.md). PP is validated and then refused as
+    # not built yet.
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    # Multi-node data parallelism (vLLM's flags). None: every replica on this node.
+    data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int = 0
+    data_parallel_address: str | None = None  # None: 127.0.0.1
+    data_parallel_rpc_port: int = 29550
     # None = DEFAULT_ASYNC_SCHEDULING; True/False force it.
     async_scheduling: bool | None = None
     # CPU compute threads: None = from the affinity mask, cgroup quota and OMP_NUM_THREADS /
@@ -612,17 +658,19 @@ class EngineArgs:
         cpu_threads = CpuThreadsConfig(self.cpu_threads, self.cpu_threads_bind,
                                        bool(self.cpu_adaptive_threads))
         if platform.name == "cpu":  # bad thread settings fail here, before the model loads
-            from ingot.platforms.cpu_threads import BIND_ENV, detect_cpu_budget, plan_threads
+            from ingot.platforms.cpu_threads import (
+                BIND_ENV,
+                detect_cpu_budget,
+                plan_threads,
+                rank_bind_lists,
+            )
 
             bind = self.cpu_threads_bind or os.environ.get(BIND_ENV, "")
-            if tp > 1 and "|" in bind:  # one list per rank (worker.rank_thread_config)
-                parts = bind.split("|")
-                if len(parts) != tp:
-                    raise ValueError(
-                        f"CPU bind list {bind!r} has {len(parts)} parts for "
-                        f"tensor_parallel_size {tp}; give one list per rank, separated by '|'"
-                    )
-                for part in parts:
+            local = self._data_parallel_local()
+            world = tp * local  # the ranks on this node
+            if world > 1 and "|" in bind:  # one list per rank (worker.rank_thread_config)
+                what = "--cpu-threads-bind" if self.cpu_threads_bind else BIND_ENV
+                for part in rank_bind_lists(bind, world, what):
                     plan_threads(detect_cpu_budget(), {}, self.cpu_threads, part)
             else:
                 plan_threads(detect_cpu_budget(), os.environ, self.cpu_threads,
@@ -647,6 +695,12 @@ class EngineArgs:
             is_encoder_only=encoder_only,
             enable_prompt_embeds=bool(self.enable_prompt_embeds),
         )
+        if speculative is not None and self._replicas_synchronise():
+            raise ValueError(
+                "speculative_config is not supported with --enable-expert-parallel and "
+                "data_parallel_size > 1 yet (a verification step's rows would need padding "
+                "across the replicas); drop one"
+            )
         if speculative is not None and speculative.method in ("draft_model", "eagle3"):
             if self.tensor_parallel_size > 1:
                 raise ValueError(
@@ -670,14 +724,23 @@ class EngineArgs:
                 max_model_len=max_model_len,
                 enable_chunked_prefill=chunked,
                 max_num_prefills_per_step=prefills,
-                async_scheduling=self._async_scheduling(runner, speculative),
+                async_scheduling=self._async_scheduling(runner, speculative,
+                                                        self._replicas_synchronise()),
             ),
             parallel_config=ParallelConfig(
                 distributed_executor_backend=backend, tensor_parallel_size=tp,
+                data_parallel_size=self.data_parallel_size,
+                data_parallel_size_local=self._data_parallel_local(),
+                data_parallel_start_rank=self.data_parallel_start_rank,
+                data_parallel_address=self.data_parallel_address or "127.0.0.1",
+                data_parallel_rpc_port=self.data_parallel_rpc_port,
                 enable_expert_parallel=bool(self.enable_expert_parallel),
-                # Default ep_degree: the world (TP x DP, DP being 1 so far).
-                ep_degree=(additional_config.get("ep_degree") or tp)
-                if self.enable_expert_parallel else 1),
+                # Default ep_degree: the world (TP x DP).
+                ep_degree=(additional_config.get("ep_degree") or tp * self.data_parallel_size)
+                if self.enable_expert_parallel else 1,
+                sequence_parallel_prefill=sequence_parallel_prefill(
+                    additional_config, tp, buckets,
+                    bool(self.enable_expert_parallel) and self.data_parallel_size > 1)),
             device=platform.name,
             additional_config=additional_config,
             buckets=buckets,
@@ -699,10 +762,49 @@ class EngineArgs:
             )
         return config
 
-    def _async_scheduling(self, runner: str, speculative: SpeculativeConfig | None = None) -> bool:
+    def _data_parallel_local(self) -> int:
+        """The replicas this node runs, checked with the other multi-node flags."""
+        dp = self.data_parallel_size
+        local = dp if self.data_parallel_size_local is None else self.data_parallel_size_local
+        if isinstance(local, bool) or not isinstance(local, int) or not 1 <= local <= dp:
+            raise ValueError(f"data_parallel_size_local must be from 1 to data_parallel_size "
+                             f"({dp}), got {local!r}")
+        start = self.data_parallel_start_rank
+        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= dp - local:
+            raise ValueError(
+                f"data_parallel_start_rank must be from 0 to data_parallel_size - "
+                f"data_parallel_size_local ({dp - local}), got {start!r}"
+            )
+        port = self.data_parallel_rpc_port
+        if isinstance(port, bool) or not isinstance(port, int) or not 1024 <= port <= 65535 - dp:
+            raise ValueError(f"data_parallel_rpc_port must be from 1024 to {65535 - dp} (it "
+                             f"and the next {dp - 1} ports are used), got {port!r}")
+        if local < dp and self.enable_expert_parallel:
+            raise ValueError(
+                "--enable-expert-parallel with replicas on several nodes is not supported yet; "
+                "run every replica on one node (--data-parallel-size-local "
+                f"{dp}) or drop --enable-expert-parallel"
+            )
+        return local
+
+    def _replicas_synchronise(self) -> bool:
+        return bool(self.enable_expert_parallel) and self.data_parallel_size > 1
+
+    def _async_scheduling(self, runner: str, speculative: SpeculativeConfig | None = None,
+                          lockstep: bool = False) -> bool:
         """A pooling runner schedules synchronously: its requests end with their prompt, and
         the step after their last segment must not see them (integration-b §4). Speculation
-        does too: the next step's drafts come from this step's accepted tokens."""
+        does too: the next step's drafts come from this step's accepted tokens. So do
+        data-parallel replicas in lockstep (EP across them): each turn runs exactly one
+        forward per replica, a real or a dummy one."""
+        if lockstep:
+            if self.async_scheduling:
+                raise ValueError(
+                    "async_scheduling is not supported with --enable-expert-parallel and "
+                    "data_parallel_size > 1 (the replicas step in lockstep); drop "
+                    "--async-scheduling"
+                )
+            return False
         if runner == "pooling":
             if self.async_scheduling:
                 raise ValueError("async_scheduling is not supported with --runner pooling; drop it")
@@ -739,7 +841,7 @@ class EngineArgs:
     def _parallel_sizes(self, hf_config: Any, additional_config: dict[str, Any],
                         model_cls: type, runner: str) -> int:
         """Validate the parallel flags (distributed/layouts.py has the §1-3 rules); returns
-        the tensor-parallel size, the only degree built so far."""
+        the tensor-parallel size (each data-parallel replica's)."""
         from ingot.distributed.layouts import ParallelSizes, validate_parallel_sizes
 
         sizes = ParallelSizes(

@@ -26,10 +26,10 @@ from tiny import make_tiny_model  # noqa: E402
 pytestmark = pytest.mark.slow
 
 MODULE_CHECKS = {
-    2: [("collectives", ()), ("linears", ()), ("qkv_loader", (4, 2)), ("qkv_loader", (4, 1)),
+    2: [("collectives", ()), ("shm_collectives", ()), ("linears", ()), ("qkv_loader", (4, 2)), ("qkv_loader", (4, 1)),
         ("attention_and_mlp", (2,)), ("attention_and_mlp", (1,)), ("vocab", (259,)),
         ("moe", (1,)), ("moe", (2,))],
-    4: [("collectives", ()), ("linears", ()), ("qkv_loader", (8, 2)),
+    4: [("collectives", ()), ("shm_collectives", ()), ("linears", ()), ("qkv_loader", (8, 2)),
         ("attention_and_mlp", (2,)), ("attention_and_mlp", (4,)), ("vocab", (259,)),
         ("moe", (1,)), ("moe", (2,)), ("moe", (4,))],
 }
@@ -79,6 +79,11 @@ def world_runs(tmp_path_factory, models):
         tmp = tmp_path_factory.mktemp(f"tp{world}")
         plan = list(checks)
         plan.append(("model_logits", (str(models[1]), str(tmp), "good")))
+        for name, length in SP_CASES[world]:
+            plan.append(("sp_model_logits", (str(models[name]), str(tmp), f"sp-{name}-{length}",
+                                             length)))
+        if world == 2:
+            plan.append(("sp_model_logits", (str(models[1]), str(tmp), "sp-broken", 4, True)))
         if world == 2:
             plan.append(("model_logits", (str(models[2]), str(tmp), "broken", True)))
             plan += [("model_logits", (str(models[name]), str(tmp), name)) for name in VARIANTS]
@@ -95,6 +100,20 @@ def _assert_ok(world_runs, world: int, name: str, *args) -> None:  # noqa: ANN00
 @pytest.mark.parametrize("world", [2, 4])
 def test_collectives(world_runs, world):
     _assert_ok(world_runs, world, "collectives")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_shared_memory_collectives_equal_gloo_and_the_rank_order_sum(world_runs, world):
+    """Every rank is on this host, so the TP group's collectives take shared memory: 1x576,
+    8x576, 2048x576 and a tensor larger than one slot, float32 and bfloat16."""
+    _assert_ok(world_runs, world, "shm_collectives")
+
+
+def test_shared_memory_all_reduce_with_a_dead_peer_raises(tmp_path):
+    """Never a hang: rank 1 exits, rank 0's all-reduce fails naming it (the check is in the
+    rank: a spawn failure is the test failing)."""
+    mp.spawn(tp_checks.shm_dead_peer_entry, args=(2, str(tmp_path / "init")), nprocs=2,
+             join=True)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -125,12 +144,41 @@ def test_moe_layer_matches_unsharded(world_runs, world, ep_size):
     _assert_ok(world_runs, world, "moe", ep_size)
 
 
-def _reference_logits(path: Path) -> torch.Tensor:
+def _reference_logits(path: Path, prompt_len: int | None = None) -> torch.Tensor:
+    prompt = (tp_checks.MODEL_PROMPT if prompt_len is None
+              else (tp_checks.MODEL_PROMPT * 2)[:prompt_len])
     harness = PagedHarness(path)
-    steps = list(harness.step([(0, tp_checks.MODEL_PROMPT, 0)]))
+    steps = list(harness.step([(0, prompt, 0)]))
     for i, tok in enumerate(tp_checks.MODEL_DECODE):
-        steps += harness.step([(0, [tok], len(tp_checks.MODEL_PROMPT) + i)])
+        steps += harness.step([(0, [tok], len(prompt) + i)])
     return torch.cat(steps)
+
+
+# Sequence-parallel prefill: (model, prompt tokens) per world size; the spec's T = 4 at world 2.
+SP_CASES = {2: [(1, 4), (1, 12), ("qwen3_moe", 12)], 4: [(1, 8), ("mixtral", 12)]}
+
+
+@pytest.mark.parametrize("world, name, length",
+                         [(w, n, t) for w, cases in SP_CASES.items() for n, t in cases])
+def test_sequence_parallel_prefill_matches_tp1(world_runs, models, world, name, length):
+    """SP prefill (reduce-scatter into [T/TP, H], all-gathers before attention and the MLP or
+    MoE) then decode: TP 1's logits within 1e-5 and its greedy tokens; T = world and
+    T = world + 1 raise (checked in the ranks)."""
+    tmp, _ = world_runs[world]
+    tag = f"sp-{name}-{length}"
+    _assert_ok(world_runs, world, "sp_model_logits", str(models[name]), str(tmp), tag, length)
+    got = torch.load(tmp / f"{tag}.pt")
+    ref = _reference_logits(models[name], length)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_sequence_parallel_with_the_wrong_rows_breaks_the_logits(world_runs, models):
+    """The gate can fail: each rank keeping the next rank's reduce-scattered rows."""
+    tmp, _ = world_runs[2]
+    _assert_ok(world_runs, 2, "sp_model_logits", str(models[1]), str(tmp), "sp-broken", 4, True)
+    got = torch.load(tmp / "sp-broken.pt")
+    assert (got - _reference_logits(models[1], 4)).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("world", [2, 4])

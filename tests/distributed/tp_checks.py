@@ -74,6 +74,27 @@ def _build(factory, group: GroupCoordinator | None):  # noqa: ANN001, ANN202
         parallel_state.set_tp_group(previous)
 
 
+def shm_dead_peer_entry(rank: int, world: int, init_file: str) -> None:
+    """Rank 1 exits after the set-up; rank 0's next shared-memory all-reduce must raise
+    naming it, within seconds, never wait forever."""
+    import time
+
+    torch.set_num_threads(1)
+    group = parallel_state.init_distributed(world, rank, f"file://{init_file}", world,
+                                            torch.device("cpu"), timeout_s=60)
+    assert group.shm is not None
+    if rank == 1:
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        group.all_reduce(torch.ones(4))
+    except RuntimeError as exc:
+        assert "rank(s) [1]" in str(exc) and "exited" in str(exc), exc
+        assert time.monotonic() - start < 30
+        os._exit(0)
+    raise AssertionError("the all-reduce with a dead peer returned")
+
+
 def _randomise(module: torch.nn.Module, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -115,6 +136,65 @@ def collectives(group: GroupCoordinator) -> None:
     # all_to_all: rank r sends value 10*r + j to rank j.
     sent = torch.tensor([10.0 * r + j for j in range(w)])
     assert group.all_to_all(sent).tolist() == [10.0 * i + r for i in range(w)]
+
+
+def _rank_order_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The shared-memory path's definition: rank order, half types accumulated in float32."""
+    acc = parts[0].float() if parts[0].dtype in (torch.bfloat16, torch.float16) else parts[0].clone()
+    for p in parts[1:]:
+        acc += p
+    return acc.to(parts[0].dtype)
+
+
+SHM_SHAPES = ((1, 576), (8, 576), (2048, 576), (4100, 576))  # the last: more than one slot
+
+
+def shm_collectives(group: GroupCoordinator) -> None:
+    """The shared-memory path (on: every rank is on this host) against gloo (the same process
+    group without it) and against the exact rank-order sum, for decode- and prefill-sized
+    tensors in float32 and bfloat16; bit-identical on every rank; the other collectives too."""
+    r, w = group.rank_in_group, group.world_size
+    assert group.shm is not None, "all ranks are on this host: the shm path should be on"
+    gloo = GroupCoordinator(group.ranks, group.rank, group.device_group, group.backend)
+    assert gloo.shm is None
+    rounds = group.shm.rounds
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape in SHM_SHAPES:
+            parts = [torch.randn(shape, generator=torch.Generator().manual_seed(100 + j)).to(dtype)
+                     for j in range(w)]
+            got = group.all_reduce(parts[r].clone())
+            what = f"all_reduce {dtype} {shape}"
+            assert torch.equal(got, _rank_order_sum(parts)), f"{what}: not the rank-order sum"
+            # Every rank holds the same bits (compared over gloo).
+            assert torch.equal(gloo.broadcast(got.clone(), 0), got), f"{what}: ranks differ"
+            ref = gloo.all_reduce(parts[r].clone())
+            if w == 2:  # one addition: any order gives the same bits
+                assert torch.equal(got, ref), f"{what}: differs from gloo"
+            else:  # gloo's order is its own; on exactly representable sums it must agree
+                torch.testing.assert_close(got.float(), ref.float(), atol=0.05, rtol=0.02)
+                ints = [torch.randint(-8, 8, shape, generator=torch.Generator().manual_seed(j))
+                        .to(dtype) for j in range(w)]
+                assert torch.equal(group.all_reduce(ints[r].clone()),
+                                   gloo.all_reduce(ints[r].clone())), f"{what}: exact sums"
+    assert group.shm.rounds > rounds, "the collectives did not go through shared memory"
+    # The exactness gate can fail: another summation order changes float32 bits at world 4.
+    if w == 4:
+        parts = [torch.randn(2048, 576, generator=torch.Generator().manual_seed(100 + j))
+                 for j in range(w)]
+        assert not torch.equal(_rank_order_sum(parts), _rank_order_sum(parts[::-1]))
+    # reduce_scatter (each rank sums its rows only), all_gather, broadcast, all_to_all: gloo's.
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randint(-8, 8, (8 * w, 576), generator=torch.Generator().manual_seed(r)).to(dtype)
+        assert torch.equal(group.reduce_scatter(x, 0), gloo.reduce_scatter(x, 0))
+        for dim in (0, 1, -1):
+            assert torch.equal(group.all_gather(x, dim), gloo.all_gather(x, dim))
+        b = x.clone() + r
+        assert torch.equal(group.broadcast(b.clone(), 1), gloo.broadcast(b.clone(), 1))
+    pairs = torch.tensor([[[1.5, float(r)]]], dtype=torch.float64)  # the argmax's (value, index)
+    assert torch.equal(group.all_gather(pairs, 0), gloo.all_gather(pairs, 0))
+    big = torch.randn(4100, 576, generator=torch.Generator().manual_seed(r))  # > a slot: gloo
+    assert torch.equal(group.all_gather(big, 0), gloo.all_gather(big, 0))
+    group.barrier()
 
 
 # ---- sharded modules vs their unsharded reference --------------------------------------------
@@ -331,6 +411,63 @@ def model_logits(group: GroupCoordinator, model_dir: str, out_dir: str, tag: str
     if group.rank_in_group == 0:
         torch.save(out, os.path.join(out_dir, f"{tag}.pt"))
     return harness.model  # this rank's, for shape checks under the simulated group
+
+
+def sp_model_logits(group: GroupCoordinator, model_dir: str, out_dir: str, tag: str,
+                    prompt_len: int, broken: bool = False) -> None:
+    """The model with sequence-parallel prefill: a prompt of ``prompt_len`` tokens (its
+    prefill in SP layout: one reduce-scatter for the embedding and per row-parallel output)
+    then teacher-forced decode steps (all-reduce), saved as ``out_dir/{tag}.pt`` for the
+    parent to compare with TP=1. Prompts of ``world`` tokens (not more than the ranks) and
+    ``world + 1`` (not a multiple) must raise, naming the bucket flag. ``broken``: every rank
+    keeps the next rank's rows of each reduce-scatter (the comparison must catch it)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
+    from paged_harness import PagedHarness
+
+    w, r = group.world_size, group.rank_in_group
+    parallel_state.set_tp_group(group)
+    parallel_state.set_sequence_parallel(True)
+    try:
+        harness = PagedHarness(model_dir)
+    finally:
+        parallel_state.set_tp_group(None)
+        parallel_state.set_sequence_parallel(None)
+    assert harness.model.model.sequence_parallel
+    calls = []
+    original = group.reduce_scatter
+
+    def counting(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        calls.append(tuple(x.shape))
+        if broken:
+            rows = x.shape[0] // w
+            return group.all_reduce(x.clone()).narrow(0, (r + 1) % w * rows, rows)
+        return original(x, dim)
+
+    group.reduce_scatter = counting
+    try:
+        for bad in (w, w + 1):
+            try:
+                harness.step([(99 + bad, MODEL_PROMPT[:bad], 0)])
+            except ValueError as exc:
+                assert "num_batched_tokens_buckets" in str(exc), exc
+            else:
+                raise AssertionError(f"an SP prefill of {bad} tokens over {w} ranks ran")
+        calls.clear()
+        prompt = (MODEL_PROMPT * 2)[:prompt_len]
+        steps = list(harness.step([(0, prompt, 0)]))
+        layers = harness.hf_config.num_hidden_layers
+        assert calls == [(prompt_len, harness.hf_config.hidden_size)] * (1 + 2 * layers), calls
+        for i, tok in enumerate(MODEL_DECODE):
+            steps += harness.step([(0, [tok], prompt_len + i)])
+        assert len(calls) == 1 + 2 * layers, "decode steps must not reduce-scatter"
+    finally:
+        group.reduce_scatter = original
+    out = torch.cat(steps)
+    torch.testing.assert_close(out, group.broadcast(out.clone(), 0), atol=0, rtol=0)
+    if r == 0:
+        torch.save(out, os.path.join(out_dir, f"{tag}.pt"))
 
 
 MODEL_PROMPT = [3, 17, 92, 45, 200, 11, 8, 250, 77, 5, 133]

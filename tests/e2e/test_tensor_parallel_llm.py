@@ -9,7 +9,7 @@ from tiny import make_tiny_model
 
 from ingot import LLM, SamplingParams
 
-pytestmark = pytest.mark.slow  # four engines, two with two worker processes: ~30 s here
+pytestmark = pytest.mark.slow  # five engines, three with two worker processes: ~45 s here
 
 PROMPTS = [[3, 17, 92, 45, 200, 11, 8, 250, 77, 5, 133], [9, 8, 7], list(range(40, 70))]
 
@@ -43,8 +43,9 @@ def runs(gqa_dir):
     spec = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
                                    "prompt_lookup_min": 1, "prompt_lookup_max": 3,
                                    "adaptive": False}}
+    sp = {"additional_config": {"sequence_parallel_prefill": True}}
     for tp, extra in ((1, {}), (2, {"async_scheduling": True}), ("1-spec", spec),
-                      ("2-spec", spec)):
+                      ("2-spec", spec), ("2-sp", sp)):
         size = tp if isinstance(tp, int) else int(tp[0])
         llm = LLM(str(gqa_dir), tensor_parallel_size=size, **common, **extra)
         try:
@@ -72,10 +73,25 @@ def test_seeded_sampling_agrees_with_tp1(runs):
     assert runs[2][0]["seeded"] == runs[1][0]["seeded"]
 
 
+def test_sequence_parallel_prefill_keeps_tp1_tokens_and_logprobs(runs):
+    """additional_config.sequence_parallel_prefill: every prefill step (the 128-token bucket)
+    in [T/TP, H] layout, over shared memory; TP 1's tokens and logprobs."""
+    got, ref = runs["2-sp"], runs[1]
+    assert [s["sequence_parallel_prefill"] for s in got[1]] == [True, True]
+    assert [s["tp_collectives"] for s in got[1]] == ["shm", "shm"]
+    assert got[0]["greedy"] == ref[0]["greedy"] and got[0]["seeded"] == ref[0]["seeded"]
+    for got_req, ref_req in zip(got[0]["logprobs"], ref[0]["logprobs"], strict=True):
+        for g, r in zip(got_req, ref_req, strict=True):
+            assert g.keys() == r.keys()
+            assert all(abs(g[t] - v) < 1e-5 for t, v in r.items())
+
+
 def test_two_ranks_agree_on_the_block_count(runs):
     stats = runs[2][1]
     assert len(stats) == 2 and stats[0]["pid"] != stats[1]["pid"]
     assert stats[0]["num_blocks"] == stats[1]["num_blocks"] > 0
+    assert [s["tp_collectives"] for s in stats] == ["shm", "shm"]  # one host: shared memory
+    assert not any(s["sequence_parallel_prefill"] for s in stats)  # off by default
 
 
 def test_ngram_speculation_under_tp_keeps_tp1_tokens(runs):

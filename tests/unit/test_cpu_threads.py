@@ -410,3 +410,16 @@ def test_hopeless_probe_ends_after_one_step() -> None:
     assert ctl.probe is not None and ctl.probe.threads == 2
     s.run(ctl, 1)  # 60 ms against 24: settled after this one step, not probe_steps
     assert ctl.probe is None and ctl.current == 1 and s.sets[-2:] == [2, 1]
+
+
+def test_per_rank_bind_lists_vllm_form() -> None:
+    from ingot.platforms.cpu_threads import rank_bind_lists
+
+    assert rank_bind_lists("0-1|2-3", 2, "X") == ["0-1", "2-3"]
+    assert rank_bind_lists(" 0 | nobind ", 2, "X") == ["0", "nobind"]
+    with pytest.raises(ValueError, match="X='0-1' has 1 parts for 2 ranks"):
+        rank_bind_lists("0-1", 2, "X")
+    with pytest.raises(ValueError, match="CPU 1 is in the lists of ranks 0 and 1"):
+        rank_bind_lists("0-1|1-2", 2, "VLLM_CPU_OMP_THREADS_BIND")
+    with pytest.raises(ValueError, match="is not a CPU list"):
+        rank_bind_lists("0|a", 2, "X")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -108,7 +109,6 @@ MOE = SimpleNamespace(num_attention_heads=8, num_key_value_heads=4, intermediate
      SimpleNamespace(num_attention_heads=8, num_key_value_heads=4, intermediate_size=6,
                      num_local_experts=8), "intermediate_size \\(6\\) does not split over 4"),
     # Valid requests for what is not built yet: refused, never ignored.
-    (ParallelSizes(data_parallel_size=2), DENSE, "data_parallel_size > 1 is not supported yet"),
     (ParallelSizes(pipeline_parallel_size=2), DENSE, "pipeline_parallel_size"),
 ])
 def test_validation_names_the_flag(sizes, hf, match):
@@ -118,6 +118,11 @@ def test_validation_names_the_flag(sizes, hf, match):
 
 def test_valid_tensor_parallel_sizes_pass():
     validate_parallel_sizes(ParallelSizes(tensor_parallel_size=2), DENSE)
+    validate_parallel_sizes(ParallelSizes(tensor_parallel_size=2, data_parallel_size=2), DENSE)
+    validate_parallel_sizes(ParallelSizes(data_parallel_size=3), MOE)  # TP of experts per replica
+    # EP across the replicas: ep_degree (default) TP x DP.
+    validate_parallel_sizes(ParallelSizes(tensor_parallel_size=2, data_parallel_size=2,
+                                          enable_expert_parallel=True), MOE)
     validate_parallel_sizes(ParallelSizes(tensor_parallel_size=8), DENSE)  # KV replicated
     # Expert parallelism over the TP group (DP 1): full, and ep_degree 2 inside TP 4.
     validate_parallel_sizes(ParallelSizes(tensor_parallel_size=2, enable_expert_parallel=True),
@@ -143,6 +148,14 @@ def test_engine_args_resolve_tensor_parallel(tiny_llama_dir):
     assert not config.compilation.enabled and not config.compilation.cuda_graphs
     one = _args(tiny_llama_dir).create_engine_config().parallel_config
     assert (one.world_size, one.distributed_executor_backend) == (1, "uni")
+    # Data parallelism: each replica's workers; TP 1 runs in the replica's own process.
+    dp = _args(tiny_llama_dir, data_parallel_size=2).create_engine_config().parallel_config
+    assert (dp.data_parallel_size, dp.world_size, dp.distributed_executor_backend) == \
+        (2, 2, "uni")
+    both = _args(tiny_llama_dir, data_parallel_size=2, tensor_parallel_size=2)
+    par = both.create_engine_config().parallel_config
+    assert (par.world_size, par.distributed_executor_backend, par.global_rank(1)) == (4, "mp", 1)
+    assert dataclasses.replace(par, data_parallel_rank=1).global_rank(1) == 3
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -151,7 +164,8 @@ def test_engine_args_resolve_tensor_parallel(tiny_llama_dir):
      "--distributed-executor-backend mp"),
     (dict(tensor_parallel_size=2, compile=True), "drop --compile"),
     (dict(tensor_parallel_size=2, runner="pooling"), "--runner pooling"),
-    (dict(data_parallel_size=2), "not supported yet"),
+    (dict(data_parallel_size=0), "data_parallel_size must be a positive integer"),
+    (dict(data_parallel_size=2, cpu_threads_bind="0|1|0"), "3 parts for 2 ranks"),
     (dict(additional_config={"ep_degree": 2}), "--enable-expert-parallel"),
     (dict(enable_expert_parallel=True), "mixture-of-experts"),
     (dict(tensor_parallel_size=2, cpu_threads_bind="0|1|0"), "one list per rank"),
@@ -232,3 +246,79 @@ def test_cpu_ranks_plan_the_kv_cache_with_their_share_of_memory(tiny_llama_dir, 
     with pytest.raises(ValueError, match="below the minimum"):
         plan_num_blocks(config, gib, 0, torch.float32)
     assert plan_num_blocks(config, 4 * gib, 0, torch.float32, ranks_sharing=4) > 0
+
+
+def test_rank_bind_lists_must_not_share_cpus(tiny_llama_dir, monkeypatch):
+    from ingot.platforms.cpu_threads import BIND_ENV
+
+    monkeypatch.setenv(BIND_ENV, "0-1|1")
+    with pytest.raises(ValueError, match="VLLM_CPU_OMP_THREADS_BIND='0-1|1': CPU 1 is in the "
+                                         "lists of ranks 0 and 1"):
+        _args(tiny_llama_dir, tensor_parallel_size=2).create_engine_config()
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(async_scheduling=True), "drop --async-scheduling"),
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+     "speculative_config is not supported with --enable-expert-parallel"),
+    (dict(additional_config={"ep_degree": 1}), "ep_degree must equal"),
+])
+def test_ep_across_replicas_refuses_what_breaks_lockstep(tmp_path, kw, match):
+    from tiny import make_tiny_model
+
+    path = make_tiny_model("qwen3_moe", tmp_path / "moe", vocab_size=259)
+    ok = _args(path, data_parallel_size=2, enable_expert_parallel=True).create_engine_config()
+    par = ok.parallel_config
+    assert (par.ep_degree, par.replicas_synchronise) == (2, True)
+    assert not ok.scheduler_config.async_scheduling
+    with pytest.raises(ValueError, match=match):
+        _args(path, data_parallel_size=2, enable_expert_parallel=True, **kw).create_engine_config()
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(data_parallel_size_local=3), "data_parallel_size_local must be from 1 to"),
+    (dict(data_parallel_size_local=1, data_parallel_start_rank=2),
+     "data_parallel_start_rank must be from 0 to"),
+    (dict(data_parallel_rpc_port=80), "data_parallel_rpc_port must be from 1024"),
+])
+def test_multi_node_flags_are_checked(tiny_llama_dir, kw, match):
+    with pytest.raises(ValueError, match=match):
+        _args(tiny_llama_dir, data_parallel_size=2, **kw).create_engine_config()
+
+
+def test_multi_node_ep_is_refused(tmp_path):
+    from tiny import make_tiny_model
+
+    path = make_tiny_model("qwen3_moe", tmp_path / "moe", vocab_size=259)
+    with pytest.raises(ValueError, match="several nodes is not supported yet"):
+        _args(path, data_parallel_size=2, data_parallel_size_local=1,
+              enable_expert_parallel=True).create_engine_config()
+
+
+def test_cli_parses_the_multi_node_flags(tiny_llama_dir):
+    from ingot.entrypoints.cli import cmd_serve, engine_args_from
+
+    argv = ["serve", str(tiny_llama_dir), "-dp", "4", "--data-parallel-size-local", "2",
+            "--data-parallel-start-rank", "2", "--data-parallel-address", "10.0.0.1",
+            "--data-parallel-rpc-port", "13345", "--headless"]
+    ns = build_parser().parse_args(argv)
+    args = engine_args_from(ns)
+    assert (args.data_parallel_size_local, args.data_parallel_start_rank,
+            args.data_parallel_address, args.data_parallel_rpc_port, ns.headless) == \
+        (2, 2, "10.0.0.1", 13345, True)
+    par = _args(tiny_llama_dir, data_parallel_size=4, data_parallel_size_local=2,
+                data_parallel_start_rank=2).create_engine_config().parallel_config
+    # This node's ranks share its CPUs: 2 of them, global ranks 2 and 3 its parts 0 and 1.
+    assert (par.host_ranks, par.host_index(2), par.host_index(3)) == (2, 0, 1)
+    # --headless is for the nodes other than the API server's.
+    bad = build_parser().parse_args(["serve", str(tiny_llama_dir), "-dp", "2", "--headless"])
+    with pytest.raises(ValueError, match="--data-parallel-start-rank R"):
+        cmd_serve(bad)
+
+
+def test_the_api_servers_node_starts_at_rank_0(tiny_llama_dir):
+    from ingot import LLM
+
+    with pytest.raises(ValueError, match="is for the other nodes"):
+        LLM(str(tiny_llama_dir), dtype="float32", skip_tokenizer_init=True, max_model_len=64,
+            data_parallel_size=2, data_parallel_size_local=1, data_parallel_start_rank=1)

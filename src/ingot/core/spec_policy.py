@@ -43,6 +43,18 @@ class SpecDecodingStats:
         for pos in range(num_accepted):
             self.num_accepted_tokens_per_pos[pos] += 1
 
+    def merged(self, others: list[SpecDecodingStats]) -> SpecDecodingStats:
+        """These totals plus ``others``' (data-parallel replicas)."""
+        total = self.copy()
+        for o in others:
+            total.num_drafts += o.num_drafts
+            total.num_draft_tokens += o.num_draft_tokens
+            total.num_accepted_tokens += o.num_accepted_tokens
+            total.num_accepted_tokens_per_pos = [
+                a + b for a, b in zip(total.num_accepted_tokens_per_pos,
+                                      o.num_accepted_tokens_per_pos, strict=True)]
+        return total
+
     def log_line(self, since: SpecDecodingStats | None = None) -> str | None:
         """vLLM's periodic line over the steps since ``since`` (None: since start); None when
         nothing was verified in between."""

@@ -2,12 +2,20 @@
 CPU, NCCL on CUDA). Every collective the model uses goes through here, so a backend that lacks
 one (gloo: no ``reduce_scatter`` in older releases, no ``all_to_all``) gets a fallback in one
 place. A group of one rank needs no process group at all: every collective is the identity.
+
+It is also the one owner of *which path* a collective takes: with a shared-memory segment
+(``enable_shm``, every rank on this host, shm_comm.py) the CPU collectives go through it, and
+whatever it does not take (other devices, dtypes, a gather larger than a slot) goes to
+torch.distributed. The choice depends only on the tensor's shape, dtype and device, which every
+rank has alike, so the ranks always take the same path.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from ingot.distributed.shm_comm import ShmCommunicator
 
 
 class GroupCoordinator:
@@ -23,6 +31,19 @@ class GroupCoordinator:
         self.backend = backend
         if self.world_size > 1 and device_group is None:
             raise ValueError("a group of several ranks needs a process group")
+        self.shm: ShmCommunicator | None = None
+
+    def enable_shm(self, slot_bytes: int | None = None, timeout_s: float = 600.0) -> bool:
+        """Set up the shared-memory path (a collective: every rank of the group calls it);
+        returns whether it is on, the same on every rank."""
+        if self.world_size > 1 and self.shm is None:
+            self.shm = ShmCommunicator.create(self.device_group, self.ranks, self.rank_in_group,
+                                              self.backend, slot_bytes, timeout_s)
+        return self.shm is not None
+
+    def _shm_for(self, x: torch.Tensor) -> ShmCommunicator | None:
+        shm = self.shm
+        return shm if shm is not None and shm.takes(x) else None
 
     @classmethod
     def single(cls) -> GroupCoordinator:
@@ -35,6 +56,9 @@ class GroupCoordinator:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over the group, in place; returns ``x``."""
         if self.world_size > 1:
+            shm = self._shm_for(x)
+            if shm is not None:
+                return shm.all_reduce(x)
             dist.all_reduce(x, group=self.device_group)
         return x
 
@@ -43,6 +67,9 @@ class GroupCoordinator:
         if self.world_size == 1:
             return x
         x = x.contiguous()
+        shm = self._shm_for(x)
+        if shm is not None and (out := shm.all_gather(x, dim)) is not None:
+            return out
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
         dist.all_gather(parts, x, group=self.device_group)
         return torch.cat(parts, dim=dim)
@@ -61,6 +88,9 @@ class GroupCoordinator:
         if self.world_size == 1:
             return x
         chunk = self._chunk("reduce_scatter", x, dim)
+        shm = self._shm_for(x)
+        if dim == 0 and shm is not None and (out := shm.reduce_scatter(x)) is not None:
+            return out
         total = self.all_reduce(x.clone())
         return total.narrow(dim, self.rank_in_group * chunk, chunk).contiguous()
 
@@ -77,9 +107,14 @@ class GroupCoordinator:
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """``x`` from the group's rank ``src`` (group-local), in place; returns ``x``."""
         if self.world_size > 1:
-            dist.broadcast(x, src=self.ranks[src], group=self.device_group)
+            shm = self._shm_for(x)
+            if shm is None or not shm.broadcast(x, src):
+                dist.broadcast(x, src=self.ranks[src], group=self.device_group)
         return x
 
     def barrier(self) -> None:
         if self.world_size > 1:
-            dist.barrier(group=self.device_group)
+            if self.shm is not None:
+                self.shm.barrier()
+            else:
+                dist.barrier(group=self.device_group)

@@ -86,7 +86,7 @@ class ParallelSizes:
 
 def validate_parallel_sizes(sizes: ParallelSizes, hf_config: object) -> None:
     """Every §1-3 constraint, with a message that names the flag to change; then what is not
-    built yet (DP > 1, PP > 1) is refused as such, never ignored."""
+    built yet (PP > 1) is refused as such, never ignored."""
     tp, dp, pp = sizes.tensor_parallel_size, sizes.data_parallel_size, sizes.pipeline_parallel_size
     for name, value in (("tensor_parallel_size", tp), ("data_parallel_size", dp),
                         ("pipeline_parallel_size", pp)):
@@ -166,11 +166,6 @@ def validate_parallel_sizes(sizes: ParallelSizes, hf_config: object) -> None:
     # Valid requests for what is not built yet.
     if pp > 1:
         raise ValueError("pipeline_parallel_size > 1 is not supported; use --tensor-parallel-size")
-    if dp > 1:
-        raise ValueError(
-            "data_parallel_size > 1 is not supported yet; run one engine per replica for now "
-            "(or use --tensor-parallel-size)"
-        )
 
 
 def _num_experts(hf_config: object) -> int | None:

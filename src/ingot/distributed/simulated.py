@@ -38,6 +38,7 @@ class SimulatedGroup(GroupCoordinator):
         self.world_size = len(self.ranks)
         self.device_group = None
         self.backend = "simulated"
+        self.shm = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:

@@ -19,6 +19,7 @@ from ingot.core.outputs import EngineCoreOutput
 from ingot.core.request import Request, RequestStatus
 from ingot.engine.core import EngineCore
 from ingot.engine.detokenizer import IncrementalDetokenizer
+from ingot.engine.dp_client import DPEngineCoreClient
 from ingot.engine.outputs import (
     CompletionOutput,
     Logprob,
@@ -84,7 +85,10 @@ class LLMEngine:
         self.config = config
         self.model_config = config.model_config
         self.tokenizer = load_tokenizer(config.model_config)
-        self.engine_core = EngineCore(config, self.tokenizer)
+        # Data parallelism: N engine-core processes behind this front end, same interface.
+        self.engine_core: EngineCore | DPEngineCoreClient = (
+            DPEngineCoreClient(config, self.tokenizer)
+            if config.parallel_config.data_parallel_size > 1 else EngineCore(config, self.tokenizer))
         self.eos_token_ids = self._eos_token_ids()
         self.requests: dict[str, _ReqState] = {}
         self.parents: dict[str, _Parent] = {}

@@ -70,11 +70,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     par.add_argument("-tp", "--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
                      help="ranks that split each layer (one worker process each)")
     par.add_argument("-dp", "--data-parallel-size", type=int, default=d.data_parallel_size,
-                     help="independent replicas (not supported yet)")
+                     help="independent replicas, one engine-core process each, behind one "
+                     "front end")
+    par.add_argument("--data-parallel-size-local", type=int, default=None,
+                     help="replicas on this node (default: all); the others run on other "
+                     "nodes under ingot serve --headless")
+    par.add_argument("--data-parallel-start-rank", type=int, default=d.data_parallel_start_rank,
+                     help="the first replica's rank on a --headless node (default: 0)")
+    par.add_argument("--data-parallel-address", default=None,
+                     help="the API server node's address, where other nodes' replicas connect "
+                     "(default: 127.0.0.1)")
+    par.add_argument("--data-parallel-rpc-port", type=int, default=d.data_parallel_rpc_port,
+                     help="the first of the ports (one plus one per replica) at that address "
+                     "(default: %(default)s)")
     par.add_argument("-pp", "--pipeline-parallel-size", type=int,
                      default=d.pipeline_parallel_size, help="(not supported: only 1)")
     par.add_argument("--enable-expert-parallel", action="store_true",
-                     help="experts split over the ranks, for MoE models (not supported yet)")
+                     help="whole experts per rank, for MoE models (over every replica with -dp)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule the next step while the current one runs (default: "
                    "docs/configuration.md)")
@@ -317,6 +329,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         if ns.model is not None and ns.model != ns.model_tag:
             raise ValueError("give the model either as the positional MODEL or as --model, not both")
         ns.model = ns.model_tag
+    if ns.headless:
+        return _serve_headless(ns)
     if ns.max_request_body_bytes <= 0:
         raise ValueError(
             f"--max-request-body-bytes must be positive, got {ns.max_request_body_bytes}"
@@ -335,6 +349,21 @@ def cmd_serve(ns: argparse.Namespace) -> int:
          "chat_options": chat_options, **_server_log_settings(ns, api_key)},
         metrics_name_prefix=ns.metrics_name_prefix,
     )
+
+
+def _serve_headless(ns: argparse.Namespace) -> int:
+    """``serve --headless``: this node's data-parallel replicas, no API server."""
+    from ingot.engine.dp_client import run_headless
+
+    args = engine_args_from(ns)
+    if args.data_parallel_size < 2 or args.data_parallel_start_rank < 1:
+        raise ValueError(
+            "--headless runs the replicas of a node other than the API server's: give "
+            "--data-parallel-size N (> 1) and --data-parallel-start-rank R (>= 1, the first "
+            "replica here), with --data-parallel-address and --data-parallel-rpc-port of the "
+            "API server's node"
+        )
+    return run_headless(args.create_engine_config())
 
 
 def chat_options_from(ns: argparse.Namespace) -> Any:
@@ -437,6 +466,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="require this key as 'Authorization: Bearer KEY' on every route but "
                      "/health, /version and /metrics "
                      "(default: $INGOT_API_KEY if set, else no key)")
+    srv.add_argument("--headless", action="store_true",
+                     help="no API server: run this node's data-parallel replicas "
+                     "(--data-parallel-start-rank, --data-parallel-size-local) for the server "
+                     "at --data-parallel-address")
     srv.add_argument("--max-request-body-bytes", type=int, default=8 * 2**20,
                      help="larger request bodies get 413 (default: %(default)s)")
     # Server logging, metrics naming and key scope (docs/serving.md); vLLM's flag names.

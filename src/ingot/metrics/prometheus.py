@@ -165,6 +165,14 @@ class EngineMetrics:
             metric_name("sync_fallback_steps", prefix),
             "Async-scheduled decode steps that fell back to host token lists", m, registry=r
         )
+        # Data parallelism: each replica's queue, labelled by its rank (engine/dp_client.py).
+        d = [*m, "dp_rank"]
+        self.dp_running = Gauge(metric_name("dp_num_requests_running", prefix),
+                                "Requests running, per data-parallel rank", d, registry=r)
+        self.dp_waiting = Gauge(metric_name("dp_num_requests_waiting", prefix),
+                                "Requests waiting, per data-parallel rank", d, registry=r)
+        self.dp_routed = Counter(metric_name("dp_requests_routed", prefix),
+                                 "Requests sent to each data-parallel rank", d, registry=r)
         # Worker totals already turned into counter increments, per stats key.
         self._totals_seen: dict[str, float] = {}
         # Every child at zero from the start: a scraper sees the series (and rate() works)
@@ -249,6 +257,14 @@ class EngineMetrics:
             for pos, total in enumerate(spec.num_accepted_tokens_per_pos):
                 self._count_total(self.spec_accepted_per_pos, f"spec_accepted_{pos}", total,
                                   position=str(pos))
+        for rank_stats in stats.get("dp_ranks", ()):
+            rank = str(rank_stats["dp_rank"])
+            self.dp_running.labels(model_name=self.model_name, dp_rank=rank).set(
+                rank_stats["num_running"])
+            self.dp_waiting.labels(model_name=self.model_name, dp_rank=rank).set(
+                rank_stats["num_waiting"])
+            self._count_total(self.dp_routed, f"dp_routed_{rank}", rank_stats["requests_routed"],
+                              dp_rank=rank)
         self._count_total(self.async_steps, "async_steps", stats.get("async_steps", 0))
         self._count_total(self.sync_fallback_steps, "sync_fallback_steps",
                           stats.get("sync_fallback_steps", 0))

@@ -38,6 +38,21 @@ class BucketStats:
             stats.decode_ctx = dict.fromkeys(ctx, 0)
         return stats
 
+    @classmethod
+    def merged(cls, parts: list[BucketStats]) -> BucketStats:
+        """The counters of several engines (data-parallel replicas) summed per bucket."""
+        total = cls()
+        for part in parts:
+            for mine, theirs in ((total.prefill, part.prefill), (total.decode, part.decode)):
+                for bucket, c in theirs.items():
+                    t = mine.setdefault(bucket, BucketCounter())
+                    t.executions += c.executions
+                    t.actual += c.actual
+                    t.padded += c.padded
+            for ctx, n in part.decode_ctx.items():
+                total.decode_ctx[ctx] = total.decode_ctx.get(ctx, 0) + n
+        return total
+
     def record_prefill(self, bucket: int, actual: int) -> None:
         c = self.prefill.setdefault(bucket, BucketCounter())
         c.executions += 1

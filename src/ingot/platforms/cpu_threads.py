@@ -80,6 +80,26 @@ def parse_cpu_list(text: str, what: str) -> list[int]:
     return cpus
 
 
+def rank_bind_lists(text: str, ranks: int, what: str) -> list[str]:
+    """vLLM's per-rank form ``"0-1|2-3"``: rank i's CPU list (or ``auto`` / ``nobind``) is
+    the i-th ``|``-separated part. There must be one part per rank, and no CPU in two ranks'
+    lists: two ranks' threads on one CPU would wait for each other at every op."""
+    parts = [p.strip() for p in text.split("|")]
+    if len(parts) != ranks:
+        raise ValueError(f"{what}={text!r} has {len(parts)} parts for {ranks} ranks; give "
+                         "one list per rank, separated by '|'")
+    owner: dict[int, int] = {}
+    for rank, part in enumerate(parts):
+        if part in ("auto", "nobind", ""):
+            continue
+        for cpu in parse_cpu_list(part, what):
+            if cpu in owner:
+                raise ValueError(f"{what}={text!r}: CPU {cpu} is in the lists of ranks "
+                                 f"{owner[cpu]} and {rank}; give each rank its own CPUs")
+            owner[cpu] = rank
+    return parts
+
+
 def _read(path: str) -> str | None:
     try:
         with open(path, encoding="ascii") as f:

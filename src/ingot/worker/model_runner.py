@@ -28,7 +28,8 @@ from torch import nn
 from ingot.config import EngineConfig
 from ingot.core.kv_cache_manager import NULL_BLOCK_ID, cdiv
 from ingot.core.sched_output import SchedulerOutput
-from ingot.distributed.parallel_state import get_tp_group
+from ingot.distributed.data_parallel import get_dp_padding
+from ingot.distributed.parallel_state import get_dp_group, get_tp_group
 from ingot.engine.sampling_params import SamplingParams
 from ingot.model_executor.layers.attention import AttentionMetadata
 from ingot.model_executor.layers.attention_backend import TORCH_ATTENTION, AttentionBackend
@@ -122,6 +123,11 @@ class ModelRunner:
         self.vocab_size = config.model_config.vocab_size
         self.sampler = Sampler()
         self.tp_group = get_tp_group()
+        # EP across data-parallel replicas: every step pads to the replicas' largest token
+        # count, so their MoE layers exchange equal shapes (distributed/data_parallel.py).
+        self.dp_group = get_dp_group()
+        self.dp_sync = config.parallel_config.replicas_synchronise
+        self.dummy_steps = 0  # idle-replica steps run (execute_dummy_batch)
         self.requests: dict[str, CachedRequestState] = {}
         sched = config.scheduler_config
         lookahead = spec.lookahead_slots if (spec := config.speculative_config) else 0
@@ -251,7 +257,7 @@ class ModelRunner:
     def _decode_input_ids(self, so: SchedulerOutput, b_pad: int) -> torch.Tensor:
         items = so.scheduled
         input_ids = torch.zeros(b_pad, dtype=torch.int64, device=self.device)
-        if self.async_scheduling:
+        if self.async_scheduling and items:  # (a dummy batch has no request to feed)
             prev = self._prev_decode
             if prev is not None and prev[0] == [it.req_id for it in items]:
                 self.async_steps += 1
@@ -275,7 +281,8 @@ class ModelRunner:
         packed requests attend each to its own context, and padded rows attend to nothing.
         Decode: the batch pads to ``so.num_padded`` rows with dummy rows (token 0, position 0,
         slot -1, a block-table row of null blocks). Padding never allocates a block and never
-        writes the cache.
+        writes the cache. With EP across data-parallel replicas both pad further, to the
+        replicas' largest count (``get_dp_padding``), before any metadata is built.
         """
         self.update_states(so)
         items = so.scheduled
@@ -289,6 +296,7 @@ class ModelRunner:
         if so.is_prefill:
             total = sum(lens)
             n_pad = max(so.num_padded, total) if grid.enabled else total
+            n_pad += get_dp_padding(n_pad, self.dp_group, self.dp_sync)[0]
             real_pos = torch.cat([torch.arange(s, s + n, dtype=torch.int64)
                                   for s, n in zip(starts, lens, strict=True)])
             positions = torch.cat([real_pos, real_pos[-1:].expand(n_pad - total)])
@@ -313,6 +321,7 @@ class ModelRunner:
             # lays each request's 1 + d rows end to end, one decode row per position).
             total = sum(lens)
             b_pad = max(so.num_padded, total) if grid.enabled else total
+            b_pad += get_dp_padding(b_pad, self.dp_group, self.dp_sync)[0]
             positions = torch.zeros(b_pad, dtype=torch.int64)
             rows = torch.arange(num_reqs)
             if total == num_reqs:
@@ -356,6 +365,33 @@ class ModelRunner:
             kernel_rows=grid.decode_bucket(num_reqs) if verifying else 0,
         )
         return input_ids.to(self.device), positions.to(self.device), meta, sample_rows
+
+    def dummy_batch_inputs(
+        self, num_padded: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """The inputs of a decode step without requests, for a data-parallel replica that is
+        idle while expert parallelism spans the replicas (spec §2): built by
+        ``prepare_inputs`` itself, so every tensor has the shape of a real one-request decode
+        batch padded to ``num_padded`` rows (default: the smallest batch bucket) at the
+        narrowest context bucket. Every row is padding: token 0, slot PAD_SLOT_ID (nothing is
+        written to the KV cache), null blocks."""
+        grid = self.grid
+        if not grid.enabled:
+            raise ValueError("dummy batches need bucketing (a real batch's shapes come from "
+                             "the bucket grid); drop enable_bucketing=false")
+        rows = num_padded if num_padded is not None else grid.decode_bucket(1)
+        so = SchedulerOutput([], is_prefill=False, num_padded=rows,
+                             ctx_bucket=grid.decode_ctx_bucket(1))
+        return self.prepare_inputs(so)
+
+    def execute_dummy_batch(self, num_padded: int | None = None) -> None:
+        """Run the model on ``dummy_batch_inputs`` (no logits, no sampling): the replica's
+        MoE layers take part in the step's collectives with the same shapes as the others'."""
+        with self.grad_mode():
+            input_ids, positions, meta, _ = self.dummy_batch_inputs(num_padded)
+            with kernel_rows(meta.kernel_rows):
+                self.model(input_ids, positions, self.kv_caches, meta)
+        self.dummy_steps += 1
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         with self.grad_mode():

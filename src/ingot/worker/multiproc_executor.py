@@ -55,8 +55,8 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def _worker_main(
-    config: EngineConfig, rank: int, in_addr: str, out_addr: str, parent_pid: int, log_level: int,
-    distributed_init_method: str | None = None,
+    config: EngineConfig, rank: int, distributed_init_method: str | None, in_addr: str,
+    out_addr: str, parent_pid: int, log_level: int,
 ) -> None:
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [rank {rank}] %(message)s")
     logging.getLogger("ingot").setLevel(log_level)
@@ -105,6 +105,98 @@ def _cleanup(procs: list[Any], ctx: zmq.Context, tmpdir: str) -> None:
     shutil.rmtree(tmpdir, ignore_errors=True)
 
 
+def wait_started(count: int, recv: Callable[[float], tuple[int, str, Any] | None],
+                 dead_child: Callable[[], str | None], timeout_s: float, kind: str,
+                 hint: str = "") -> list[Any]:
+    """The first reply of each of ``count`` children (their start-up), in index order. A child
+    that fails (an "error" reply), exits (``dead_child``) or stays silent for ``timeout_s`` is
+    named by its index (``kind``: "worker rank", "data-parallel rank"); ``hint`` follows the
+    names of the silent ones."""
+    replies: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(replies) < count:
+        message = recv(_POLL_S)
+        if message is not None:
+            i, status, value = message
+            if status == "error":
+                raise WorkerProcessError(f"{kind} {i} failed during start:\n{value}")
+            replies[i] = value
+            continue
+        dead = dead_child()
+        if dead is not None:
+            raise WorkerProcessError(dead)
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(count)) - set(replies))
+            raise WorkerProcessError(f"{kind}(s) {missing} did not start within "
+                                     f"{timeout_s:.0f} s{hint}")
+    return [replies[i] for i in range(count)]
+
+
+class ChildProcesses:
+    """Spawned child processes, each with a PUSH socket from the parent (``send``) and one PULL
+    socket they all answer on (``recv``), in a private temporary directory that also holds the
+    torch.distributed rendezvous file. Used for the TP workers of one engine core and for the
+    engine cores of data parallelism (engine/dp_client.py). ``target(*args(i), in_addr,
+    out_addr, parent_pid, log_level)`` runs in child ``i`` (``args(i, init_method)``: the
+    rendezvous below); children answer with pickled ``(index, status, value)`` tuples."""
+
+    def __init__(self, count: int, target: Callable[..., None],
+                 args: Callable[[int, str], tuple[Any, ...]], kind: str, prefix: str) -> None:
+        self.count = count
+        self.kind = kind  # how errors name a child: "worker rank", "data-parallel rank"
+        self.tmpdir = tempfile.mkdtemp(prefix=prefix)
+        self._ctx = zmq.Context()
+        self.results = self._ctx.socket(zmq.PULL)
+        out_addr = f"ipc://{self.tmpdir}/out"
+        self.results.bind(out_addr)
+        self.inboxes = []
+        self.procs: list[Any] = []
+        spawn = multiprocessing.get_context("spawn")
+        level = logging.getLogger("ingot").getEffectiveLevel()
+        self.finalizer = weakref.finalize(self, _cleanup, self.procs, self._ctx, self.tmpdir)
+        for i in range(count):
+            sock = self._ctx.socket(zmq.PUSH)
+            in_addr = f"ipc://{self.tmpdir}/in{i}"
+            sock.bind(in_addr)
+            self.inboxes.append(sock)
+            proc = spawn.Process(
+                target=target,
+                args=(*args(i, self.init_method), in_addr, out_addr, os.getpid(), level),
+                name=f"ingot-{kind.replace(' ', '-')}-{i}",
+            )
+            proc.start()
+            self.procs.append(proc)
+
+    @property
+    def init_method(self) -> str:
+        """A torch.distributed rendezvous in the private directory: no port to pick (and race
+        for), and it goes with the directory."""
+        return f"file://{self.tmpdir}/dist-init"
+
+    def send(self, i: int, message: bytes, flags: int = 0) -> None:
+        self.inboxes[i].send(message, flags)
+
+    def recv(self, timeout_s: float) -> tuple[int, str, Any] | None:
+        """The next reply, or None after ``timeout_s`` without one."""
+        if self.results.poll(int(timeout_s * 1000)):
+            return pickle.loads(self.results.recv())
+        return None
+
+    def dead_child(self) -> str | None:
+        """A description of the first child that exited, else None."""
+        for i, proc in enumerate(self.procs):
+            if not proc.is_alive():
+                return f"{self.kind} {i} (pid {proc.pid}) exited with code {proc.exitcode}"
+        return None
+
+    def wait_started(self, timeout_s: float) -> list[Any]:
+        """Each child's first reply (its start-up), in index order (``wait_started``)."""
+        return wait_started(self.count, self.recv, self.dead_child, timeout_s, self.kind)
+
+    def close(self) -> None:
+        self.finalizer()
+
+
 class _Reply(Future):
     """A call's replies, collected (in send order) when the result is asked for."""
 
@@ -120,58 +212,54 @@ class _Reply(Future):
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        self.world_size = config.parallel_config.world_size
-        self._tmpdir = tempfile.mkdtemp(prefix="ingot-mp-")
-        self._ctx = zmq.Context()
-        self._results = self._ctx.socket(zmq.PULL)
-        out_addr = f"ipc://{self._tmpdir}/out"
-        self._results.bind(out_addr)
-        self._inboxes = []
-        self._procs = []
+        parallel = config.parallel_config
+        # This engine core's ranks: its TP group (each data-parallel replica has its own).
+        self.world_size = parallel.tensor_parallel_size
         self._dead: str | None = None
+        self._early: dict[int, deque[Any]] = {}  # replies to calls after the one gathered
         # Calls sent whose replies are not collected yet, oldest first.
         self._pending: deque[tuple[_Reply, str, Callable[[list[Any]], Any]]] = deque()
-        spawn = multiprocessing.get_context("spawn")
-        level = logging.getLogger("ingot").getEffectiveLevel()
-        # torch.distributed rendezvous through a file in our private directory: no port to
-        # pick (and race for), and it goes with the directory.
-        init_method = f"file://{self._tmpdir}/dist-init" if self.world_size > 1 else None
-        for rank in range(self.world_size):
-            sock = self._ctx.socket(zmq.PUSH)
-            in_addr = f"ipc://{self._tmpdir}/in{rank}"
-            sock.bind(in_addr)
-            self._inboxes.append(sock)
-            proc = spawn.Process(
-                target=_worker_main,
-                args=(config, rank, in_addr, out_addr, os.getpid(), level, init_method),
-                name=f"ingot-worker-{rank}",
-            )
-            proc.start()
-            self._procs.append(proc)
-        self._finalizer = weakref.finalize(
-            self, _cleanup, self._procs, self._ctx, self._tmpdir
-        )
-        self._gather(timeout=STARTUP_TIMEOUT_S, what="start")
+        self._children: ChildProcesses | None = None
+
+        def args(rank: int, init_method: str) -> tuple[Any, ...]:
+            return (config, rank, init_method if self.world_size > 1 else None)
+
+        self._children = ChildProcesses(self.world_size, _worker_main, args, "worker rank",
+                                        "ingot-mp-")
+        try:
+            self._children.wait_started(STARTUP_TIMEOUT_S)
+        except WorkerProcessError as exc:
+            self._dead = str(exc)
+            self._children.close()
+            raise
         logger.info("multiprocess executor: %d worker process(es) started", self.world_size)
 
-    def _gather(self, timeout: float | None = None, what: str = "call") -> list[Any]:
+    def _gather(self, what: str = "call", timeout: float | None = None) -> list[Any]:
+        assert self._children is not None
         replies: dict[int, Any] = {}
+        # A rank can answer the next call before another rank's answer to this one arrives
+        # (a step without collectives, sent ahead under async scheduling): keep it for then.
+        for rank, early in self._early.items():
+            if early:
+                replies[rank] = early.popleft()
         deadline = None if timeout is None else time.monotonic() + timeout
         while len(replies) < self.world_size:
-            if self._results.poll(int(_POLL_S * 1000)):
-                rank, status, value = pickle.loads(self._results.recv())
+            message = self._children.recv(_POLL_S)
+            if message is not None:
+                rank, status, value = message
                 if status == "error":
                     self._dead = f"worker rank {rank} failed: {value}"
                     raise WorkerProcessError(f"worker rank {rank} failed during {what}:\n{value}")
-                replies[rank] = value
+                if rank in replies:
+                    self._early.setdefault(rank, deque()).append(value)
+                else:
+                    replies[rank] = value
                 continue
             self.check_health()
             if deadline is not None and time.monotonic() > deadline:
                 missing = sorted(set(range(self.world_size)) - set(replies))
-                self._dead = f"ranks {missing} did not answer"
-                raise WorkerProcessError(
-                    f"worker rank(s) {missing} did not {what} within {timeout:.0f} s"
-                )
+                raise WorkerProcessError(f"worker rank(s) {missing} did not {what} within "
+                                         f"{timeout:.0f} s")
         return [replies[r] for r in range(self.world_size)]
 
     def _send(self, method: RpcMethod, args: Sequence[Any], kwargs: dict[str, Any] | None,
@@ -179,8 +267,9 @@ class MultiprocExecutor(Executor):
         if self._dead is not None:
             raise WorkerProcessError(f"the workers are down ({self._dead}); restart the engine")
         message = pickle.dumps((method, tuple(args), kwargs or {}), protocol=pickle.HIGHEST_PROTOCOL)
-        for sock in self._inboxes:
-            sock.send(message)
+        assert self._children is not None
+        for rank in range(self.world_size):
+            self._children.send(rank, message)
         reply = _Reply(self)
         name = method if isinstance(method, str) else getattr(method, "__name__", "rpc")
         self._pending.append((reply, name, pick))
@@ -208,24 +297,23 @@ class MultiprocExecutor(Executor):
         return reply if non_block else reply.result()
 
     def check_health(self) -> None:
-        for rank, proc in enumerate(self._procs):
-            if not proc.is_alive():
-                self._dead = f"rank {rank} exited with code {proc.exitcode}"
-                raise WorkerProcessError(
-                    f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
-                )
+        assert self._children is not None
+        dead = self._children.dead_child()
+        if dead is not None:
+            self._dead = dead
+            raise WorkerProcessError(dead)
 
     def shutdown(self) -> None:
-        if not self._finalizer.alive:
+        if self._children is None or not self._children.finalizer.alive:
             return
         if self._pending:  # let the steps in flight finish (their errors are theirs)
             self._collect_until(self._pending[-1][0])
         if self._dead is None:
             try:
                 message = pickle.dumps((_SHUTDOWN, (), {}))
-                for sock in self._inboxes:
-                    sock.send(message, zmq.NOBLOCK)
-                self._gather(timeout=10, what="shut down")
+                for rank in range(self.world_size):
+                    self._children.send(rank, message, zmq.NOBLOCK)
+                self._gather(what="shut down", timeout=10)
             except (WorkerProcessError, zmq.ZMQError):
                 pass
-        self._finalizer()
+        self._children.close()

@@ -19,6 +19,7 @@ from ingot.config import EngineConfig
 from ingot.core.kv_cache_manager import cdiv
 from ingot.core.sched_output import SchedulerOutput
 from ingot.distributed.layouts import kv_heads_per_rank
+from ingot.distributed.parallel_state import tp_collectives
 from ingot.model_executor.layers.attention_backend import (
     TORCH_ATTENTION,
     AttentionBackend,
@@ -196,23 +197,23 @@ def advise_huge_pages(buffer: torch.Tensor) -> bool:
 
 
 def rank_thread_config(config: EngineConfig, rank: int) -> EngineConfig:
-    """The config this rank plans its CPU threads from. With several ranks on one host, a
+    """The config global rank ``rank`` plans its CPU threads from. With several ranks on one
+    host (TP x the local data-parallel replicas), a
     ``|``-separated bind list (vLLM's VLLM_CPU_OMP_THREADS_BIND form, or --cpu-threads-bind)
     gives rank i its i-th part; without any thread setting each rank takes its share of the
     CPUs, so the ranks do not oversubscribe them."""
-    world = config.parallel_config.world_size
+    parallel = config.parallel_config
+    world = parallel.host_ranks  # the ranks of every replica on this host
     if world == 1:
         return config
-    from ingot.platforms.cpu_threads import BIND_ENV, detect_cpu_budget
+    from ingot.platforms.cpu_threads import BIND_ENV, detect_cpu_budget, rank_bind_lists
 
     threads = config.cpu_threads
     bind = threads.bind if threads.bind is not None else os.environ.get(BIND_ENV, "").strip()
     if bind and "|" in bind:
-        parts = bind.split("|")
-        if len(parts) != world:
-            raise ValueError(f"CPU bind list {bind!r} has {len(parts)} parts for {world} ranks; "
-                             "give one list per rank, separated by '|'")
-        threads = dataclasses.replace(threads, bind=parts[rank])
+        what = "--cpu-threads-bind" if threads.bind is not None else BIND_ENV
+        parts = rank_bind_lists(bind, world, what)
+        threads = dataclasses.replace(threads, bind=parts[parallel.host_index(rank)])
     elif threads.threads is None and not bind and not os.environ.get("OMP_NUM_THREADS"):
         threads = dataclasses.replace(threads, threads=max(1, detect_cpu_budget().usable // world))
     return dataclasses.replace(config, cpu_threads=threads)
@@ -227,24 +228,37 @@ class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0,
                  distributed_init_method: str | None = None) -> None:
         self.config = config
-        self.rank = rank
+        self.rank = rank  # in this replica's TP group
+        parallel = config.parallel_config
+        # Ranks of all data-parallel replicas share the host: the CPU and GPU plans use this.
+        self.global_rank = parallel.global_rank(rank)
         self.platform = resolve_platform(config.device)
         self.device = self.platform.device()
-        parallel = config.parallel_config
-        if parallel.world_size > 1:
+        if self.device.type == "cuda" and parallel.world_size > 1:  # one GPU per rank
+            self.device = torch.device("cuda", parallel.host_index(self.global_rank)
+                                       % max(1, torch.cuda.device_count()))
+            torch.cuda.set_device(self.device)
+        if parallel.replicas_synchronise:
             from ingot.distributed.parallel_state import init_distributed
 
-            if self.device.type == "cuda":  # one GPU per rank
-                self.device = torch.device("cuda", rank % max(1, torch.cuda.device_count()))
-                torch.cuda.set_device(self.device)
+            # EP across the replicas: one world of every replica's ranks, TP and DP groups.
+            assert parallel.distributed_init_method is not None
+            init_distributed(parallel.world_size, self.global_rank,
+                             parallel.distributed_init_method, parallel.tensor_parallel_size,
+                             self.device, ep_size=parallel.ep_degree)
+        elif parallel.tensor_parallel_size > 1:
+            from ingot.distributed.parallel_state import init_distributed
+
             if distributed_init_method is None:
                 raise ValueError("a worker of several ranks needs distributed_init_method")
-            # The model's layers size their shards from the TP group built here.
-            init_distributed(parallel.world_size, rank, distributed_init_method,
+            # The model's layers size their shards from the TP group built here. Without
+            # expert parallelism the replicas never communicate: each TP group is a world.
+            init_distributed(parallel.tensor_parallel_size, rank, distributed_init_method,
                              parallel.tensor_parallel_size, self.device,
-                             ep_size=parallel.ep_degree)
+                             ep_size=parallel.ep_degree,
+                             sequence_parallel=parallel.sequence_parallel_prefill)
         # CPU compute threads: count, binding, adaptivity (platforms/cpu_threads.py).
-        self.cpu_threads = (start_cpu_threads(rank_thread_config(config, rank))
+        self.cpu_threads = (start_cpu_threads(rank_thread_config(config, self.global_rank))
                             if self.device.type == "cpu" else None)
         torch.manual_seed(config.model_config.seed)
         start = time.perf_counter()
@@ -270,7 +284,7 @@ class Worker:
         )
         self.profiler = StepProfiler(
             ProfilerConfig.from_dict(config.additional_config.get("profiler")),
-            rank=rank,
+            rank=self.global_rank,
             device_type=self.device.type,
         )
         self.num_blocks = 0
@@ -297,7 +311,7 @@ class Worker:
         # Memory still free now, plus what the weights took: the total before loading.
         total = self.platform.available_memory_bytes(self.device) + self.load_bytes
         # On CPU the ranks share the host's memory (a GPU is each rank's own).
-        sharing = self.config.parallel_config.world_size if self.device.type == "cpu" else 1
+        sharing = self.config.parallel_config.host_ranks if self.device.type == "cpu" else 1
         return plan_num_blocks(self.config, total, self.load_bytes, self.kv_dtype, sharing)
 
     def initialize_cache(self, num_blocks: int) -> None:
@@ -340,6 +354,11 @@ class Worker:
             "warmup_seconds": self.warmup_seconds,
             "num_blocks": self.num_blocks,
             "pid": os.getpid(),
+            # TP: what carries the collectives ("shm", "gloo", "nccl"; None with one rank)
+            # and whether prefill runs sequence-parallel.
+            "tp_collectives": tp_collectives(),
+            "sequence_parallel_prefill": bool(getattr(getattr(self.model, "model", None),
+                                                      "sequence_parallel", False)),
         }
 
     def runtime_stats(self) -> dict[str, Any]:
@@ -400,6 +419,19 @@ class Worker:
             self.profiler.step()
         output.runtime_stats = self.runtime_stats()
         return output
+
+    def dp_has_unfinished(self, local: bool) -> bool:
+        """Whether any replica has work (a DP all-reduce; EP across replicas only)."""
+        from ingot.distributed.data_parallel import has_global_unfinished_reqs
+        from ingot.distributed.parallel_state import get_dp_group
+
+        return has_global_unfinished_reqs(local, get_dp_group(),
+                                          self.config.parallel_config.replicas_synchronise)
+
+    def execute_dummy_batch(self) -> None:
+        """An idle replica's step (EP across replicas): model_runner.execute_dummy_batch."""
+        assert self.model_runner is not None
+        self.model_runner.execute_dummy_batch()
 
     def profile(self, is_start: bool) -> str | None:
         if is_start:

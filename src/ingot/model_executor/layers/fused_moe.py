@@ -15,6 +15,13 @@ Parallelism over the TP group of W ranks (spec §1 and §3):
 In both cases the router is replicated, a token's contribution on a rank that holds none of
 its experts is exactly zero, and one all-reduce over the TP group sums expert and intermediate
 partials alike.
+
+Cross-DP EP (a ``dp_group`` of D_P > 1 replicas, ``ep_size`` = TP x D_P): the experts spread
+over every rank of every replica (position ``dp_rank * TP + tp_rank``, whole experts each).
+A step all-gathers the replicas' tokens over the DP group, computes the local experts on all
+of them, all-reduces over TP and reduce-scatters over DP, so each replica gets back exactly
+its own tokens' output. Every replica must bring the same token count (the DP padding,
+distributed/data_parallel.py).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from torch.nn import functional as F
 from ingot.distributed.group import GroupCoordinator
 from ingot.distributed.layouts import ep_rank_of, local_expert_range
 from ingot.distributed.parallel_state import get_tp_group
+from ingot.distributed.sequence_parallel import reduce_partial
 from ingot.model_executor.layers.linear import (
     ReplicatedLinear,
     shard_of,
@@ -79,10 +87,18 @@ class FusedMoE(nn.Module):
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  renormalize: bool, tp_group: GroupCoordinator | None = None,
-                 ep_size: int = 1) -> None:
+                 ep_size: int = 1, dp_group: GroupCoordinator | None = None) -> None:
         super().__init__()
         self.tp_group = tp_group if tp_group is not None else get_tp_group()
         tp, rank = self.tp_group.world_size, self.tp_group.rank_in_group
+        # Cross-DP EP: the EP world is every rank of every replica.
+        self.dp_group = dp_group if dp_group is not None and dp_group.world_size > 1 else None
+        if self.dp_group is not None:
+            dp = self.dp_group.world_size
+            if ep_size != tp * dp:
+                raise ValueError(f"cross-DP expert parallelism needs ep_degree == TP x DP "
+                                 f"({tp * dp}), got {ep_size}")
+            tp, rank = tp * dp, self.dp_group.rank_in_group * tp + rank
         experts, self.shard_index, self.num_shards = expert_parallel_placement(
             num_experts, tp, rank, ep_size)
         if intermediate_size % self.num_shards:
@@ -179,11 +195,16 @@ class FusedMoE(nn.Module):
     # ---- forward ------------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dp_group is not None:  # every replica's tokens, in DP rank order
+            x = self.dp_group.all_gather(x, dim=0)
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         out = self.experts(x, weights, ids)
+        if self.dp_group is None:
+            # All-reduced; in a sequence-parallel prefill reduce-scattered to this rank's rows.
+            return reduce_partial(out, self.tp_group)
         if self.tp_group.world_size > 1:
             self.tp_group.all_reduce(out)
-        return out
+        return self.dp_group.reduce_scatter(out, dim=0)  # the sum over replicas, our rows
 
     def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum over its experts (and its intermediate slice) of

@@ -24,6 +24,7 @@ from torch.nn import functional as F
 from ingot.distributed.group import GroupCoordinator
 from ingot.distributed.layouts import kv_head_start, kv_heads_per_rank
 from ingot.distributed.parallel_state import get_tp_group
+from ingot.distributed.sequence_parallel import reduce_partial
 from ingot.model_executor.layers.cpu_kernels import (
     GEMV_MAX_ROWS,
     CpuKernels,
@@ -281,10 +282,8 @@ class RowParallelLinear(LinearBase):
             default_weight_loader(param, torch.zeros_like(loaded_weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = super().forward(x)
-        if self.tp_size > 1:
-            self.tp_group.all_reduce(out)
-        return out
+        # All-reduced; in a sequence-parallel prefill reduce-scattered to this rank's rows.
+        return reduce_partial(super().forward(x), self.tp_group)
 
 
 class MergedColumnParallelLinear(MergedLinear):

@@ -15,6 +15,7 @@ from torch.nn import functional as F
 
 from ingot.distributed.group import GroupCoordinator
 from ingot.distributed.parallel_state import get_tp_group
+from ingot.distributed.sequence_parallel import reduce_partial
 from ingot.model_executor.layers.linear import LinearBase, default_weight_loader
 
 
@@ -56,7 +57,7 @@ class VocabParallelEmbedding(nn.Embedding):
         outside = (local < 0) | (local >= self.num_real)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out.masked_fill_(outside.unsqueeze(-1), 0)
-        return self.tp_group.all_reduce(out)
+        return reduce_partial(out, self.tp_group)  # SP prefill: this rank's rows
 
 
 class ParallelLMHead(LinearBase):

@@ -8,7 +8,10 @@ Tensor parallelism (spec §1): the layers size themselves from ``get_tp_group()`
 is built. QKV, gate-up and the LM head are column-parallel, O and down row-parallel (one
 all-reduce each), the embedding vocab-parallel; norms and RoPE are replicated. A rank holds
 num_heads/TP query heads and its share of the KV heads (one, replicated, when TP > KV heads).
-With one rank these are the plain layers.
+With one rank these are the plain layers. With ``sequence_parallel`` on, a prefill step runs
+in sequence-parallel layout (distributed/sequence_parallel.py): the residual stream and the
+norms on the rank's T/TP rows, an all-gather before attention and before the MLP, a
+reduce-scatter after each row-parallel output, and one all-gather before the logits.
 
 The MoE models (moe.py: Qwen3-MoE, Mixtral) are subclasses that give their sparse layers another
 feed-forward block (``_mlp_factory``) and load their expert tensors (``_load_expert_weight``).
@@ -17,13 +20,15 @@ feed-forward block (``_mlp_factory``) and load their expert tensors (``_load_exp
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ingot.distributed.parallel_state import get_tp_group
+from ingot.distributed.parallel_state import get_sequence_parallel, get_tp_group
+from ingot.distributed.sequence_parallel import gather_tokens, local_tokens, sequence_parallel
 from ingot.model_executor.layers.attention import AttentionMetadata, KVScales
 from ingot.model_executor.layers.attention_backend import TORCH_ATTENTION, AttentionBackend
 from ingot.model_executor.layers.cpu_kernels import CpuKernels, silu_mul_bf16
@@ -135,14 +140,17 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # In a sequence-parallel step ``hidden`` and ``residual`` are this rank's rows: the
+        # norms run on them, attention and the MLP on every row (gathered), and their
+        # row-parallel outputs come back reduce-scattered to this rank's rows.
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden = self.self_attn(positions, gather_tokens(hidden), kv_cache, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp(gather_tokens(hidden)), residual
 
 
 class DecoderModel(nn.Module):
@@ -163,6 +171,10 @@ class DecoderModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tp_group = get_tp_group()
+        #: Prefill steps in sequence-parallel layout (additional_config.sequence_parallel_prefill;
+        #: only with several TP ranks).
+        self.sequence_parallel = get_sequence_parallel() and self.tp_group.world_size > 1
 
     def forward(
         self,
@@ -173,21 +185,24 @@ class DecoderModel(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
         is_token_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        if inputs_embeds is not None:
-            # Prompt embeddings: rows that are not token ids take the given embedding.
-            assert is_token_ids is not None
-            hidden = torch.where(is_token_ids[:, None], hidden, inputs_embeds.to(hidden.dtype))
-        residual = None
-        aux = []
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            if i in self.aux_hidden_state_layers:  # the layer's input: the residual stream
-                aux.append(hidden if residual is None else hidden + residual)
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
-        hidden, _ = self.norm(hidden, residual)
-        if aux:
-            self.aux_hidden_states = torch.cat(aux, dim=-1)
-        return hidden
+        sp = self.sequence_parallel and not meta.is_decode
+        with sequence_parallel(self.tp_group, input_ids.shape[0]) if sp else nullcontext():
+            hidden = self.embed_tokens(input_ids)  # SP: reduce-scattered to this rank's rows
+            if inputs_embeds is not None:
+                # Prompt embeddings: rows that are not token ids take the given embedding.
+                assert is_token_ids is not None
+                hidden = torch.where(local_tokens(is_token_ids)[:, None], hidden,
+                                     local_tokens(inputs_embeds).to(hidden.dtype))
+            residual = None
+            aux = []
+            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+                if i in self.aux_hidden_state_layers:  # the layer's input: the residual stream
+                    aux.append(hidden if residual is None else hidden + residual)
+                hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+            hidden, _ = self.norm(hidden, residual)
+            if aux:
+                self.aux_hidden_states = gather_tokens(torch.cat(aux, dim=-1))
+            return gather_tokens(hidden)
 
     #: EAGLE3 speculation: the layers whose inputs the draft head reads; each forward leaves
     #: them concatenated in ``aux_hidden_states`` ([T, len(layers) * hidden]).

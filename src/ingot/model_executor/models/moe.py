@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ingot.distributed.parallel_state import get_ep_size
+from ingot.distributed.parallel_state import get_dp_group, get_ep_size
 from ingot.model_executor.layers.fused_moe import FusedMoE
 from ingot.model_executor.models.llama import MistralForCausalLM, Qwen3ForCausalLM
 
@@ -74,7 +74,7 @@ def _moe_block(config: Any, num_experts: int, intermediate: int, renormalize: bo
     if act != "silu":
         raise ValueError(f"hidden_act {act!r} is not supported; only 'silu' is")
     return FusedMoE(num_experts, config.num_experts_per_tok, config.hidden_size, intermediate,
-                    renormalize, ep_size=get_ep_size())
+                    renormalize, ep_size=get_ep_size(), dp_group=get_dp_group())
 
 
 class Qwen3MoeForCausalLM(_MoEMixin, Qwen3ForCausalLM):

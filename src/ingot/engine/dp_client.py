@@ -1,0 +1,507 @@
+"""Data parallelism (spec §2): ``data_parallel_size`` independent engine cores, each in its own
+process with its own scheduler, KV cache and executor (its TP group), behind one front end.
+
+``DPEngineCoreClient`` stands where ``LLMEngine`` keeps its ``EngineCore``: the same methods
+(``add_request``, ``step``, ``finish_requests``, stats, RPCs), so the offline ``LLM``, the async
+engine and the server run unchanged on N replicas. Tokenizing, detokenizing and stop strings
+stay in the front end; each engine process runs its own step loop and streams its outputs back,
+so one replica can prefill while another decodes. Nothing synchronises the replicas (without
+expert parallelism nothing should: their steps have unrelated shapes). With EP across them
+(``ep_degree == TP x DP``) their MoE layers exchange tokens, so the engine processes step in
+lockstep: one ``busy_loop_turn`` per iteration, a dummy batch where a replica has nothing to
+run, every step padded to the largest replica's (distributed/data_parallel.py).
+
+A new request goes to the replica with the fewest unfinished requests (ties: round robin), as
+vLLM's front end balances by queue length. Processes and sockets are the multiprocess
+executor's (``ChildProcesses``): a replica that fails or exits is reported by its rank, in
+start-up within ``INGOT_WORKER_STARTUP_TIMEOUT_S`` and while serving within ``_POLL_S``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import multiprocessing
+import os
+import pickle
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import zmq
+
+from ingot.config import EngineConfig
+from ingot.core.outputs import EngineCoreOutput
+from ingot.core.request import Request, RequestStatus
+from ingot.distributed.data_parallel import busy_loop_turn
+from ingot.engine.sampling_params import SamplingParams
+from ingot.metrics.stats import BucketStats
+from ingot.worker.executor import RpcMethod
+from ingot.worker.multiproc_executor import (
+    STARTUP_TIMEOUT_S,
+    ChildProcesses,
+    WorkerProcessError,
+    _watch_parent,
+    wait_started,
+)
+
+logger = logging.getLogger("ingot")
+
+_POLL_S = 0.02  # how long step() waits for a replica's outputs before it returns
+_IDLE_POLL_S = 0.1  # how long an idle replica waits for a command
+HEARTBEAT_S = 1.0  # how often a --headless node reports its replicas
+#: A replica on another node silent this long (no output, no heartbeat) is taken as gone.
+HEARTBEAT_TIMEOUT_S = float(os.environ.get("INGOT_DP_HEARTBEAT_TIMEOUT_S", "10"))
+
+
+def replica_config(config: EngineConfig, dp_rank: int, init_method: str) -> EngineConfig:
+    """The config of replica ``dp_rank``: the same model and limits (``max_num_seqs`` is per
+    replica), its own rank, so its workers are global ranks ``dp_rank * TP + i``; with EP
+    across the replicas, the rendezvous of their common world."""
+    parallel = config.parallel_config
+    return dataclasses.replace(config, parallel_config=dataclasses.replace(
+        parallel, data_parallel_rank=dp_rank,
+        distributed_init_method=init_method if parallel.replicas_synchronise else None))
+
+
+def _engine_main(config: EngineConfig, dp_rank: int, in_addr: str, out_addr: str,
+                 parent_pid: int, log_level: int) -> None:
+    """One replica: an EngineCore and its step loop. Messages in: ``(kind, payload)``; out:
+    ``(dp_rank, status, value)`` with status "ready", "outputs" (outputs, stats), "rpc"
+    (call id, result), "error" (a traceback: the replica is gone)."""
+    logging.basicConfig(level=log_level,
+                        format=f"%(asctime)s %(levelname)s [dp {dp_rank}] %(message)s")
+    logging.getLogger("ingot").setLevel(log_level)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(in_addr)
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.connect(out_addr)
+
+    def reply(status: str, value: Any) -> None:
+        try:
+            message = pickle.dumps((dp_rank, status, value), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # noqa: BLE001 - an unpicklable RPC result must still answer
+            call_id = value[0] if status == "rpc" else None
+            message = pickle.dumps((dp_rank, "rpc", (call_id, (
+                "error", RuntimeError(f"result not picklable: {exc!r}")))))
+        outbox.send(message)
+
+    try:
+        from ingot.engine.core import EngineCore
+        from ingot.engine.tokenizer import load_tokenizer
+
+        core = EngineCore(config, load_tokenizer(config.model_config))
+        reply("ready", core.get_stats())
+        lockstep = config.parallel_config.replicas_synchronise
+        any_busy = False
+
+        def step() -> bool:
+            """One engine step; whether it ran a forward (an empty schedule runs none)."""
+            before = core.num_steps
+            outputs = core.step()
+            if outputs:
+                reply("outputs", (outputs, core.get_stats()))
+            return core.num_steps > before
+
+        while True:
+            busy = core.has_pending_work() or any_busy
+            while inbox.poll(0 if busy else int(_IDLE_POLL_S * 1000)):
+                kind, payload = pickle.loads(inbox.recv())
+                if kind == "add":
+                    core.add_request(payload)
+                elif kind == "finish":
+                    core.finish_requests(*payload)
+                elif kind == "rpc":
+                    call_id, method, args, kwargs = payload
+                    try:  # an EngineCore method: collective_rpc, reset_prefix_cache, ...
+                        result: Any = ("ok", getattr(core, method)(*args, **kwargs))
+                    except Exception as exc:  # noqa: BLE001 - the caller raises it
+                        result = ("error", exc)
+                    reply("rpc", (call_id, result))
+                elif kind == "shutdown":
+                    core.shutdown()
+                    reply("rpc", (payload, ("ok", None)))
+                    return
+                busy = core.has_pending_work() or any_busy
+            if lockstep:  # EP across replicas: every turn together (data_parallel.py)
+                any_busy = busy_loop_turn(
+                    core.has_pending_work, step,
+                    lambda: core.collective_rpc("execute_dummy_batch"),
+                    lambda local: core.collective_rpc("dp_has_unfinished", (local,))[0])
+            elif busy:
+                step()
+    except BaseException:  # noqa: BLE001 - reported to the front end, which fails requests
+        reply("error", traceback.format_exc())
+
+
+def merge_stats(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """One engine's stats over all replicas: counts summed, ratios recomputed from the sums;
+    each replica's own under ``dp_ranks`` (the server exports them labelled by rank)."""
+    first = per_rank[0]
+    total = {key: sum(s[key] for s in per_rank) for key in (
+        "num_running", "num_waiting", "max_kv_concurrent", "total_padding_tokens",
+        "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "prefix_cache_queries",
+        "prefix_cache_hits", "num_steps", "async_steps", "sync_fallback_steps",
+        "num_runner_requests")}
+    threads = [s["cpu_compute_threads"] for s in per_rank if s["cpu_compute_threads"] is not None]
+    total["cpu_compute_threads"] = sum(threads) if threads else None
+    states = {s["scheduler_state"] for s in per_rank}
+    total["scheduler_state"] = first["scheduler_state"] if len(states) == 1 else "mixed"
+    total["kv_usage"] = total["kv_blocks_used"] / max(total["kv_blocks_total"], 1)
+    total["prefix_cache_hit_rate"] = (total["prefix_cache_hits"]
+                                      / max(total["prefix_cache_queries"], 1))
+    total["buckets"] = BucketStats.merged([s["buckets"] for s in per_rank])
+    total["compilation"] = {key: sum(s["compilation"].get(key, 0) for s in per_rank)
+                            for key in first["compilation"]
+                            if isinstance(first["compilation"][key], int | float)}
+    total["async_scheduling"] = first["async_scheduling"]
+    spec = [s["spec_decode"] for s in per_rank if s["spec_decode"] is not None]
+    total["spec_decode"] = spec[0].merged(spec[1:]) if spec else None
+    total["dp_ranks"] = per_rank
+    return total
+
+
+class LeastLoaded:
+    """Routing by queue length: a new request goes to the replica with the fewest unfinished
+    requests, ties broken round robin (so equal queues take turns)."""
+
+    def __init__(self, size: int) -> None:
+        self.load = [0] * size  # unfinished requests per replica
+        self.routed = [0] * size  # requests each replica has been given
+        self._next = 0
+
+    def pick(self) -> int:
+        least = min(self.load)
+        size = len(self.load)
+        rank = next(r % size for r in range(self._next, self._next + size)
+                    if self.load[r % size] == least)
+        self._next = (rank + 1) % size
+        self.load[rank] += 1
+        self.routed[rank] += 1
+        return rank
+
+    def done(self, rank: int) -> None:
+        self.load[rank] -= 1
+
+
+def remote_addresses(parallel: Any) -> tuple[str, Callable[[int], str]]:
+    """Where replicas on other nodes meet the API server's node: (the results address, the
+    inbox address of replica ``r``): ``--data-parallel-rpc-port`` and the ports after it."""
+    host, port = parallel.data_parallel_address, parallel.data_parallel_rpc_port
+    return f"tcp://{host}:{port}", lambda r: f"tcp://{host}:{port + r}"
+
+
+class RemoteReplicas:
+    """The replicas of other nodes (each node's ``ingot serve --headless`` launcher spawns its
+    own and reports their health every ``HEARTBEAT_S``): their sockets, bound here over TCP."""
+
+    def __init__(self, parallel: Any, ranks: range) -> None:
+        self._ctx = zmq.Context()
+        out, inbox = remote_addresses(parallel)
+        self.results = self._ctx.socket(zmq.PULL)
+        self.inboxes: dict[int, zmq.Socket] = {}
+        try:
+            self.results.bind(out)
+            for r in ranks:
+                self.inboxes[r] = self._ctx.socket(zmq.PUSH)
+                self.inboxes[r].bind(inbox(r))
+        except zmq.ZMQError as exc:
+            self.close()
+            raise ValueError(
+                f"cannot listen for the other nodes' replicas on {out} and the next "
+                f"{len(ranks)} ports ({exc}); choose another --data-parallel-rpc-port or "
+                "--data-parallel-address (an address of this node)"
+            ) from None
+        self.last_seen = dict.fromkeys(ranks, time.monotonic())
+
+    def dead_child(self) -> str | None:
+        now = time.monotonic()
+        for r, seen in self.last_seen.items():
+            if now - seen > HEARTBEAT_TIMEOUT_S:
+                return (f"data-parallel rank {r} (on another node) sent nothing for "
+                        f"{HEARTBEAT_TIMEOUT_S:.0f} s")
+        return None
+
+    def close(self) -> None:
+        self._ctx.destroy(linger=0)
+
+
+def run_headless(config: EngineConfig) -> int:
+    """``ingot serve --headless``: run this node's replicas (``--data-parallel-start-rank``
+    and the ``--data-parallel-size-local`` after it) for the API server at
+    ``--data-parallel-address``, report their health there, and return when they have all
+    exited (the server shut them down); a replica that dies is reported and stops the rest."""
+    parallel = config.parallel_config
+    out, inbox = remote_addresses(parallel)
+    first = parallel.data_parallel_start_rank
+    ranks = range(first, first + parallel.local_replicas)
+    spawn = multiprocessing.get_context("spawn")
+    level = logging.getLogger("ingot").getEffectiveLevel()
+    procs = {r: spawn.Process(target=_engine_main,
+                              args=(replica_config(config, r, ""), r, inbox(r), out, os.getpid(),
+                                    level), name=f"ingot-data-parallel-rank-{r}")
+             for r in ranks}
+    for proc in procs.values():
+        proc.start()
+    logger.info("headless: data-parallel ranks %s for the API server at %s", list(ranks), out)
+    ctx = zmq.Context()
+    beat = ctx.socket(zmq.PUSH)
+    beat.connect(out)
+    try:
+        while True:
+            running = 0
+            for r, proc in procs.items():
+                if proc.is_alive():
+                    running += 1
+                    beat.send(pickle.dumps((r, "alive", None)))
+                elif proc.exitcode != 0:
+                    beat.send(pickle.dumps((r, "error", f"exited with code {proc.exitcode}")))
+                    logger.error("data-parallel rank %d exited with code %s", r, proc.exitcode)
+                    return 1
+            if running == 0:
+                return 0
+            time.sleep(HEARTBEAT_S)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        for proc in procs.values():
+            if proc.is_alive():
+                proc.terminate()
+            proc.join(timeout=10)
+        ctx.destroy(linger=1000)
+
+
+class DPEngineCoreClient:
+    """The front end's handle on N engine-core processes (``EngineCore``'s interface)."""
+
+    workers_are_local = False
+
+    def __init__(self, config: EngineConfig, tokenizer: Any | None = None) -> None:
+        from ingot.structured_output.manager import StructuredOutputManager
+
+        self.config = config
+        parallel = config.parallel_config
+        self.dp_size = parallel.data_parallel_size
+        if parallel.data_parallel_start_rank != 0:
+            raise ValueError(
+                "data_parallel_start_rank is for the other nodes (ingot serve --headless); the "
+                "API server's node runs the replicas from rank 0: drop it here"
+            )
+        self.num_local = parallel.local_replicas
+        self._remote: RemoteReplicas | None = None
+        self._children = ChildProcesses(
+            self.num_local, _engine_main, lambda r, init: (replica_config(config, r, init), r),
+            "data-parallel rank", "ingot-dp-")
+        try:
+            if self.num_local < self.dp_size:
+                self._remote = RemoteReplicas(parallel, range(self.num_local, self.dp_size))
+            self._poller = zmq.Poller()
+            for sock in (self._children.results, self._remote and self._remote.results):
+                if sock is not None:
+                    self._poller.register(sock, zmq.POLLIN)
+            self._stats = self._wait_started(STARTUP_TIMEOUT_S)
+        except BaseException:
+            self._close_links()
+            raise
+        logger.info("data parallelism: %d engine-core processes started (%d on this node)",
+                    self.dp_size, self.num_local)
+        # Grammars compile here too, so a bad one is refused before a request starts (the
+        # server's check); each replica compiles (and caches) its own for its requests.
+        self.structured_output = StructuredOutputManager(
+            tokenizer, config.model_config.vocab_size, config.structured_outputs)
+        self._owner: dict[str, int] = {}  # unfinished request -> replica
+        self.balancer = LeastLoaded(self.dp_size)
+        self._outputs: list[EngineCoreOutput] = []
+        self._replies: dict[int, dict[int, tuple[str, Any]]] = {}
+        self._call_ids = itertools.count()
+        self._dead: str | None = None
+        self.num_steps = 0
+
+    # ---- requests ------------------------------------------------------------------------
+    def _send(self, rank: int, kind: str, payload: Any) -> None:
+        if self._dead is not None:
+            raise WorkerProcessError(f"a data-parallel engine is down ({self._dead}); restart "
+                                     "the engine")
+        self._send_raw(rank, pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _send_raw(self, rank: int, message: bytes, flags: int = 0) -> None:
+        if rank < self.num_local:
+            self._children.send(rank, message, flags)
+        else:
+            assert self._remote is not None
+            self._remote.inboxes[rank].send(message, flags)
+
+    def add_request(self, request: Request) -> None:
+        rank = self.balancer.pick()
+        self._owner[request.request_id] = rank
+        self._send(rank, "add", request)
+
+    def submit_structured_output(self, params: SamplingParams) -> Future | None:
+        if params.structured_outputs is None:
+            return None
+        return self.structured_output.submit(params.structured_outputs)
+
+    def finish_requests(self, request_ids: Sequence[str], status: RequestStatus) -> None:
+        by_rank: dict[int, list[str]] = {}
+        for rid in request_ids:
+            rank = self._owner.pop(rid, None)
+            if rank is not None:
+                self.balancer.done(rank)
+                by_rank.setdefault(rank, []).append(rid)
+        for rank, rids in by_rank.items():
+            self._send(rank, "finish", (rids, status))
+
+    def has_pending_work(self) -> bool:
+        return bool(self._owner) or bool(self._outputs)
+
+    # ---- outputs -------------------------------------------------------------------------
+    def _receive(self, timeout_s: float, check: bool = True) -> bool:
+        """Take one message (waiting up to ``timeout_s``); False if none came. A replica that
+        failed or exited raises, naming its rank."""
+        message = self._recv(timeout_s)
+        if message is None:
+            if check:
+                self.check_health()
+            return False
+        rank, status, value = message
+        if status == "outputs":
+            outputs, self._stats[rank] = value
+            self.num_steps += 1
+            for out in outputs:
+                if out.finish_status is not None and self._owner.get(out.req_id) == rank:
+                    del self._owner[out.req_id]
+                    self.balancer.done(rank)
+            self._outputs.extend(outputs)
+        elif status == "rpc":
+            call_id, result = value
+            self._replies.setdefault(call_id, {})[rank] = result
+        elif status == "error":
+            self._dead = f"data-parallel rank {rank} failed"
+            raise WorkerProcessError(f"data-parallel rank {rank} failed:\n{value}")
+        return True
+
+    def _recv(self, timeout_s: float) -> tuple[int, str, Any] | None:
+        """The next message of any replica (heartbeats of other nodes' replicas are taken
+        here), or None after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            events = dict(self._poller.poll(int(max(deadline - time.monotonic(), 0) * 1000)))
+            if not events:
+                return None
+            sock = next(iter(events))
+            rank, status, value = pickle.loads(sock.recv())
+            if self._remote is not None and rank in self._remote.last_seen:
+                self._remote.last_seen[rank] = time.monotonic()
+            if status != "alive":
+                return rank, status, value
+
+    def _wait_started(self, timeout_s: float) -> list[dict[str, Any]]:
+        """Every replica's first stats, rank order; a replica that fails, exits or stays
+        silent for ``timeout_s`` is named by its rank (as the executor's workers are)."""
+        hint = (" (the ranks of other nodes start with ingot serve --headless)"
+                if self._remote is not None else "")
+        stats = wait_started(self.dp_size, self._recv, self._children.dead_child, timeout_s,
+                             "data-parallel rank", hint)
+        if self._remote is not None:  # from now on their launchers' heartbeats count
+            self._remote.last_seen = dict.fromkeys(self._remote.last_seen, time.monotonic())
+        return stats
+
+    def _close_links(self) -> None:
+        self._children.close()
+        if self._remote is not None:
+            self._remote.close()
+
+    def step(self) -> list[EngineCoreOutput]:
+        """The outputs the replicas sent since the last call (waiting briefly for some)."""
+        if not self._outputs:
+            self._receive(_POLL_S)
+        while self._receive(0):
+            pass
+        outputs, self._outputs = self._outputs, []
+        return outputs
+
+    # ---- RPCs, stats ---------------------------------------------------------------------
+    def _call(self, method: str, args: Sequence[Any] = (),
+              kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """``method`` on every replica; one result per replica, rank order."""
+        call_id = next(self._call_ids)
+        for rank in range(self.dp_size):
+            self._send(rank, "rpc", (call_id, method, tuple(args), kwargs or {}))
+        while len(self._replies.get(call_id, {})) < self.dp_size:
+            self._receive(_IDLE_POLL_S)
+        replies = self._replies.pop(call_id)
+        results = []
+        for rank in range(self.dp_size):
+            status, value = replies[rank]
+            if status == "error":
+                raise value
+            results.append(value)
+        return results
+
+    def collective_rpc(self, method: RpcMethod, args: Sequence[Any] = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Every worker of every replica: replica 0's workers first (global rank order). A
+        function goes by reference, as to the multiprocess executor's workers."""
+        return [r for per_rank in self._call("collective_rpc", (method, args, kwargs))
+                for r in per_rank]
+
+    def check_health(self) -> None:
+        if self._dead is not None:
+            raise WorkerProcessError(f"a data-parallel engine is down ({self._dead})")
+        # Take what arrived (other nodes' heartbeats among it; outputs wait for step()).
+        while self._receive(0, check=False):
+            pass
+        dead = self._children.dead_child() or (self._remote and self._remote.dead_child())
+        if dead:
+            self._dead = dead
+            raise WorkerProcessError(dead)
+
+    def reset_prefix_cache(self) -> bool:
+        return all(self._call("reset_prefix_cache"))
+
+    def request_blocks(self, request_id: str) -> list[int]:
+        rank = self._owner[request_id]
+        call_id = next(self._call_ids)
+        self._send(rank, "rpc", (call_id, "request_blocks", (request_id,), {}))
+        while rank not in self._replies.get(call_id, {}):
+            self._receive(_IDLE_POLL_S)
+        status, value = self._replies.pop(call_id)[rank]
+        if status == "error":
+            raise value
+        return value
+
+    def get_stats(self) -> dict[str, Any]:
+        """Summed over the replicas from the stats each sent with its latest outputs (no
+        round trip per call: the server reads them every step); per replica under
+        ``dp_ranks``, with the requests routed to it."""
+        per_rank = [dict(s, requests_routed=n, dp_rank=r)
+                    for r, (s, n) in enumerate(zip(self._stats, self.balancer.routed,
+                                                   strict=True))]
+        return merge_stats(per_rank)
+
+    def shutdown(self) -> None:
+        self.structured_output.shutdown()
+        if not self._children.finalizer.alive:
+            return
+        if self._dead is None:
+            try:
+                call_id = next(self._call_ids)
+                for rank in range(self.dp_size):
+                    self._send_raw(rank, pickle.dumps(("shutdown", call_id)), zmq.NOBLOCK)
+                deadline = 30.0
+                while len(self._replies.get(call_id, {})) < self.dp_size and deadline > 0:
+                    self._receive(_IDLE_POLL_S)
+                    deadline -= _IDLE_POLL_S
+            except (WorkerProcessError, zmq.ZMQError):
+                pass
+        else:  # the engine is down: the other replicas get no shutdown, stop them now
+            for proc in self._children.procs:
+                if proc.is_alive():
+                    proc.terminate()
+        self._close_links()
