@@ -9,6 +9,7 @@
 #include <omp.h>
 #include <sched.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 static inline uint16_t to_bf16(float f) {
@@ -660,6 +661,168 @@ void ingot_encoder_attention_f32(const float *q, const float *k, const float *v,
         }
     }
 }
+
+/* ---------------------------------------------------------------------------------------- */
+/* A mixture-of-experts block in one call: out[t] = sum_j w[t, j] * down_e(silu(gate_e(x[t]))
+   * up_e(x[t])) over the slots j of token t whose expert e = ids[t, j] - e0 is one of the E
+   local experts (0 <= e < E; other slots contribute nothing, so an EP/TP shard's partial sum
+   is exactly zero where it holds none of a token's experts). w13 [E, 2I, H] (gate rows then
+   up rows), w2 [E, H, I], x/out [T, H], ids int64 / w float32 [T, K].
+   1. The (token, slot) assignments are grouped by expert (a counting sort, token order kept).
+   2. Gate-up and SiLU-mul: one work item per (active expert, MOE_ICHUNK rows of I), taken
+      dynamically, so a skewed routing (one expert with most tokens) still spreads over every
+      thread; the activations of each assignment go to a [N, I] buffer (N <= T * K).
+   3. Down: one item per MOE_HCHUNK columns of out, each over every active expert in id order
+      (every item costs the same whatever the routing), so each output element is written by
+      one thread and accumulated in the torch path's order (expert by expert).
+   Rounding follows the torch path (fused_moe.py) in bf16: gate/up/down outputs, silu, the
+   product and each scaled contribution rounded to bf16, the sum in bf16 like index_add_. */
+#define MOE_ICHUNK 16
+#define MOE_HCHUNK 32
+
+/* res[t * 4 + r] = x_t . w_r over n elements for NT (1 or 4) rows of x and 4 rows of w. */
+static inline __attribute__((always_inline)) void moe_tile_bf16(
+    const uint16_t *const *xr, const int NT, const uint16_t *const *wr, int64_t n, float *res) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < n; k += 32) {
+        const __mmask32 mk = n - k >= 32 ? 0xffffffffu : (__mmask32)((1u << (n - k)) - 1u);
+        __m512bh w[4];
+        for (int r = 0; r < 4; r++) w[r] = (__m512bh)_mm512_maskz_loadu_epi16(mk, wr[r] + k);
+        for (int t = 0; t < NT; t++) {
+            const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mk, xr[t] + k);
+            for (int r = 0; r < 4; r++) acc[t * 4 + r] = _mm512_dpbf16_ps(acc[t * 4 + r], w[r], xv);
+        }
+    }
+    _mm512_storeu_ps(res, hsum16(acc));
+}
+
+static inline __attribute__((always_inline)) void moe_tile_f32(
+    const float *const *xr, const int NT, const float *const *wr, int64_t n, float *res) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < n; k += 16) {
+        const __mmask16 mk = n - k >= 16 ? 0xffffu : (__mmask16)((1u << (n - k)) - 1u);
+        __m512 w[4];
+        for (int r = 0; r < 4; r++) w[r] = _mm512_maskz_loadu_ps(mk, wr[r] + k);
+        for (int t = 0; t < NT; t++) {
+            const __m512 xv = _mm512_maskz_loadu_ps(mk, xr[t] + k);
+            for (int r = 0; r < 4; r++) acc[t * 4 + r] = _mm512_fmadd_ps(w[r], xv, acc[t * 4 + r]);
+        }
+    }
+    _mm512_storeu_ps(res, hsum16(acc));
+}
+
+/* Step 1: order[offs[e] .. offs[e + 1]) = the assignments (t * K + j) of local expert e, in
+   token order. Returns the number of local assignments. */
+static int64_t moe_group(const int64_t *ids, int64_t TK, int64_t e0, int64_t E, int64_t *offs,
+                         int64_t *order) {
+    for (int64_t e = 0; e <= E; e++) offs[e] = 0;
+    for (int64_t a = 0; a < TK; a++) {
+        const int64_t e = ids[a] - e0;
+        if (e >= 0 && e < E) offs[e + 1]++;
+    }
+    for (int64_t e = 0; e < E; e++) offs[e + 1] += offs[e];
+    int64_t *fill = (int64_t *)malloc((E + 1) * sizeof(int64_t));
+    memcpy(fill, offs, (E + 1) * sizeof(int64_t));
+    for (int64_t a = 0; a < TK; a++) {
+        const int64_t e = ids[a] - e0;
+        if (e >= 0 && e < E) order[fill[e]++] = a;
+    }
+    free(fill);
+    return offs[E];
+}
+
+/* Both dtypes share the structure; DT is the element type, TILE the dot-product tile, and
+   ROUND/LOAD/STORE convert at the torch path's rounding points (identity for float32). */
+#define MOE_KERNEL(NAME, DT, TILE, ROUND, LOAD, STORE)                                           \
+    void NAME(const DT *x, const int64_t *ids, const float *topw, const DT *w13, const DT *w2,  \
+              DT *out, int64_t T, int64_t K, int64_t e0, int64_t E, int64_t H, int64_t I,        \
+              int nthreads) {                                                                    \
+        int64_t *offs = (int64_t *)malloc((E + 1) * sizeof(int64_t));                            \
+        int64_t *order = (int64_t *)malloc((T * K + 1) * sizeof(int64_t));                       \
+        const int64_t N = moe_group(ids, T * K, e0, E, offs, order);                             \
+        const int64_t ichunks = (I + MOE_ICHUNK - 1) / MOE_ICHUNK;                               \
+        int64_t *items = (int64_t *)malloc((E * ichunks + 1) * sizeof(int64_t));                 \
+        int64_t nitems = 0;                                                                      \
+        for (int64_t e = 0; e < E; e++)                                                          \
+            if (offs[e + 1] > offs[e])                                                           \
+                for (int64_t c = 0; c < ichunks; c++) items[nitems++] = e * ichunks + c;         \
+        DT *act = (DT *)malloc((N * I + 1) * sizeof(DT));                                        \
+        const int64_t hchunks = (H + MOE_HCHUNK - 1) / MOE_HCHUNK;                               \
+        _Pragma("omp parallel num_threads(nthreads) if (N * H * I >= 65536)")                   \
+        {                                                                                        \
+            /* 2. gate-up, silu * up: act[a, i] for the item's expert and rows */                \
+            _Pragma("omp for schedule(dynamic, 1)")                                              \
+            for (int64_t it = 0; it < nitems; it++) {                                            \
+                const int64_t e = items[it] / ichunks, i0 = (items[it] % ichunks) * MOE_ICHUNK; \
+                const int64_t i1 = i0 + MOE_ICHUNK < I ? i0 + MOE_ICHUNK : I;                    \
+                const DT *we = w13 + e * 2 * I * H;                                              \
+                for (int64_t a = offs[e]; a < offs[e + 1];) {                                    \
+                    const int nt = offs[e + 1] - a >= 4 ? 4 : 1;                                 \
+                    const DT *xr[4];                                                             \
+                    for (int t = 0; t < nt; t++) xr[t] = x + (order[a + t] / K) * H;             \
+                    for (int64_t i = i0; i < i1; i += 2) {                                       \
+                        const int64_t i2 = i + 1 < i1 ? i + 1 : i; /* odd tail: row repeated */  \
+                        const DT *wr[4] = {we + i * H, we + i2 * H, we + (I + i) * H,            \
+                                           we + (I + i2) * H};                                   \
+                        float res[16];                                                           \
+                        if (nt == 4) TILE(xr, 4, wr, H, res);                                    \
+                        else TILE(xr, 1, wr, H, res);                                            \
+                        for (int t = 0; t < nt; t++)                                             \
+                            for (int64_t r = 0; r <= i2 - i; r++) {                              \
+                                const float g = ROUND(res[t * 4 + r]);                           \
+                                const float u = ROUND(res[t * 4 + 2 + r]);                       \
+                                const float s = ROUND(g / (1.0f + expf(-g)));                    \
+                                act[(a + t) * I + i + r] = STORE(ROUND(s * u));                  \
+                            }                                                                    \
+                    }                                                                            \
+                    a += nt;                                                                     \
+                }                                                                                \
+            }                                                                                    \
+            /* 3. down and the weighted sum: columns h0 .. h1 of every token */                  \
+            _Pragma("omp for schedule(static)")                                                  \
+            for (int64_t hc = 0; hc < hchunks; hc++) {                                           \
+                const int64_t h0 = hc * MOE_HCHUNK;                                              \
+                const int64_t h1 = h0 + MOE_HCHUNK < H ? h0 + MOE_HCHUNK : H;                    \
+                for (int64_t t = 0; t < T; t++)                                                  \
+                    for (int64_t h = h0; h < h1; h++) out[t * H + h] = STORE(0.0f);              \
+                for (int64_t e = 0; e < E; e++) {                                                \
+                    const DT *we = w2 + e * H * I;                                               \
+                    for (int64_t a = offs[e]; a < offs[e + 1];) {                                \
+                        const int nt = offs[e + 1] - a >= 4 ? 4 : 1;                             \
+                        const DT *ar[4];                                                         \
+                        for (int t = 0; t < nt; t++) ar[t] = act + (a + t) * I;                  \
+                        for (int64_t h = h0; h < h1; h += 4) {                                   \
+                            const DT *wr[4];                                                     \
+                            for (int r = 0; r < 4; r++)                                          \
+                                wr[r] = we + (h + r < h1 ? h + r : h) * I;                       \
+                            float res[16];                                                       \
+                            if (nt == 4) TILE(ar, 4, wr, I, res);                                \
+                            else TILE(ar, 1, wr, I, res);                                        \
+                            for (int t = 0; t < nt; t++) {                                       \
+                                const int64_t as = order[a + t];                                 \
+                                DT *o = out + (as / K) * H;                                      \
+                                for (int r = 0; r < 4 && h + r < h1; r++)                        \
+                                    o[h + r] = STORE(ROUND(LOAD(o[h + r]) +                      \
+                                                           ROUND(ROUND(res[t * 4 + r]) *         \
+                                                                 topw[as])));                    \
+                            }                                                                    \
+                        }                                                                        \
+                        a += nt;                                                                 \
+                    }                                                                            \
+                }                                                                                \
+            }                                                                                    \
+        }                                                                                        \
+        free(act);                                                                               \
+        free(items);                                                                             \
+        free(order);                                                                             \
+        free(offs);                                                                              \
+    }
+
+static inline float moe_id(float f) { return f; }
+MOE_KERNEL(ingot_fused_moe_bf16, uint16_t, moe_tile_bf16, round_bf16, from_bf16, to_bf16)
+MOE_KERNEL(ingot_fused_moe_f32, float, moe_tile_f32, moe_id, moe_id, moe_id)
 
 /* ---------------------------------------------------------------------------------------- */
 /* Pin the calling thread's OpenMP team of n threads: thread i to CPU cpus[i] (what
