@@ -679,8 +679,11 @@ void ingot_encoder_attention_f32(const float *q, const float *k, const float *v,
    product and each scaled contribution rounded to bf16, the sum in bf16 like index_add_. */
 #define MOE_ICHUNK 16
 #define MOE_HCHUNK 32
+/* Tokens per tile: 4, else 2 (decode batches put ~2 tokens on an expert), else 1; each weight
+   vector loaded once serves all of them. */
+#define MOE_NT(left) ((left) >= 4 ? 4 : (left) >= 2 ? 2 : 1)
 
-/* res[t * 4 + r] = x_t . w_r over n elements for NT (1 or 4) rows of x and 4 rows of w. */
+/* res[t * 4 + r] = x_t . w_r over n elements for NT (1, 2 or 4) rows of x and 4 rows of w. */
 static inline __attribute__((always_inline)) void moe_tile_bf16(
     const uint16_t *const *xr, const int NT, const uint16_t *const *wr, int64_t n, float *res) {
     __m512 acc[16];
@@ -759,7 +762,7 @@ static int64_t moe_group(const int64_t *ids, int64_t TK, int64_t e0, int64_t E, 
                 const int64_t i1 = i0 + MOE_ICHUNK < I ? i0 + MOE_ICHUNK : I;                    \
                 const DT *we = w13 + e * 2 * I * H;                                              \
                 for (int64_t a = offs[e]; a < offs[e + 1];) {                                    \
-                    const int nt = offs[e + 1] - a >= 4 ? 4 : 1;                                 \
+                    const int nt = MOE_NT(offs[e + 1] - a);                                      \
                     const DT *xr[4];                                                             \
                     for (int t = 0; t < nt; t++) xr[t] = x + (order[a + t] / K) * H;             \
                     for (int64_t i = i0; i < i1; i += 2) {                                       \
@@ -768,6 +771,7 @@ static int64_t moe_group(const int64_t *ids, int64_t TK, int64_t e0, int64_t E, 
                                            we + (I + i2) * H};                                   \
                         float res[16];                                                           \
                         if (nt == 4) TILE(xr, 4, wr, H, res);                                    \
+                        else if (nt == 2) TILE(xr, 2, wr, H, res);                               \
                         else TILE(xr, 1, wr, H, res);                                            \
                         for (int t = 0; t < nt; t++)                                             \
                             for (int64_t r = 0; r <= i2 - i; r++) {                              \
@@ -790,7 +794,7 @@ static int64_t moe_group(const int64_t *ids, int64_t TK, int64_t e0, int64_t E, 
                 for (int64_t e = 0; e < E; e++) {                                                \
                     const DT *we = w2 + e * H * I;                                               \
                     for (int64_t a = offs[e]; a < offs[e + 1];) {                                \
-                        const int nt = offs[e + 1] - a >= 4 ? 4 : 1;                             \
+                        const int nt = MOE_NT(offs[e + 1] - a);                                  \
                         const DT *ar[4];                                                         \
                         for (int t = 0; t < nt; t++) ar[t] = act + (a + t) * I;                  \
                         for (int64_t h = h0; h < h1; h += 4) {                                   \
@@ -799,6 +803,7 @@ static int64_t moe_group(const int64_t *ids, int64_t TK, int64_t e0, int64_t E, 
                                 wr[r] = we + (h + r < h1 ? h + r : h) * I;                       \
                             float res[16];                                                       \
                             if (nt == 4) TILE(ar, 4, wr, I, res);                                \
+                            else if (nt == 2) TILE(ar, 2, wr, I, res);                           \
                             else TILE(ar, 1, wr, I, res);                                        \
                             for (int t = 0; t < nt; t++) {                                       \
                                 const int64_t as = order[a + t];                                 \
