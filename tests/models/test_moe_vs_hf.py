@@ -246,7 +246,7 @@ def test_fused_moe_kernel_broken_twins_fail(dtype):
 def _shard(layer: FusedMoE, experts: range, inter: slice) -> FusedMoE:
     """A copy of ``layer`` holding ``experts`` and the slice ``inter`` of their intermediate
     dim, as an EP/TP rank does."""
-    part = _random_layer(layer.num_experts, layer.top_k, True)
+    part = _random_layer(layer.num_experts, layer.top_k, True).to(layer.w13.dtype)
     full_i = layer.local_intermediate
     w13 = layer.w13.data[experts.start:experts.stop]
     gate, up = w13[:, :full_i][:, inter], w13[:, full_i:][:, inter]
@@ -259,25 +259,27 @@ def _shard(layer: FusedMoE, experts: range, inter: slice) -> FusedMoE:
 
 
 @needs_kernels
-def test_fused_moe_kernel_on_expert_and_intermediate_shards():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_kernel_on_expert_and_intermediate_shards(dtype):
     """The kernel takes a rank's shard (experts 3..5 of 8, half of the intermediate dim) with
     the global ids: each shard's partial equals the torch path's, a token routed to none of a
     shard's experts gets exactly zero there, and the partials sum to the full layer."""
-    layer, x, weights, ids = _kernel_case(8, 2, 37, torch.float32)
+    layer, x, weights, ids = _kernel_case(8, 2, 37, dtype)
     ids[0] = torch.tensor([0, 7])  # token 0 has no expert in 3..5
     with torch.inference_mode():
+        parts = [(experts, _shard(layer, experts, inter))
+                 for experts in (range(0, 3), range(3, 6), range(6, 8))
+                 for inter in (slice(0, 12), slice(12, 24))]
         full = _kernel_experts(layer, x, weights, ids)
-        total = torch.zeros_like(full)
-        for experts in (range(0, 3), range(3, 6), range(6, 8)):
-            for inter in (slice(0, 12), slice(12, 24)):
-                part = _shard(layer, experts, inter)
-                expected = part.experts_torch(x, weights, ids)
-                got = _kernel_experts(part, x, weights, ids)
-                torch.testing.assert_close(got, expected, **KERNEL_TOL[torch.float32])
-                if experts.start == 3:
-                    assert torch.equal(got[0], torch.zeros_like(got[0]))
-                total += got
-        torch.testing.assert_close(total, full, **KERNEL_TOL[torch.float32])
+        total = torch.zeros_like(full, dtype=torch.float32)
+        for experts, part in parts:
+            expected = part.experts_torch(x, weights, ids)
+            got = _kernel_experts(part, x, weights, ids)
+            torch.testing.assert_close(got, expected, **KERNEL_TOL[dtype])
+            if experts.start == 3:
+                assert torch.equal(got[0], torch.zeros_like(got[0]))
+            total += got.float()
+        torch.testing.assert_close(total.to(dtype), full, **KERNEL_TOL[dtype])
 
 
 def test_route_renormalised_equals_softmax_over_top_k_logits():

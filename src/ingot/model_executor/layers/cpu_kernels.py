@@ -78,6 +78,7 @@ class CpuKernels:
         moe_args = [p] * 6 + [i64] * 6 + [i32]
         self.fused_moe = {torch.bfloat16: self._bind(lib.ingot_fused_moe_bf16, moe_args),
                           torch.float32: self._bind(lib.ingot_fused_moe_f32, moe_args)}
+        self.moe_pack = self._bind(lib.ingot_moe_pack_bf16, [p] * 2 + [i64] * 3)
         self.bind_threads = lib.ingot_bind_threads  # platforms/cpu_threads.py pins teams with it
         self.bind_threads.restype = ctypes.c_int
         self.bind_threads.argtypes = [ctypes.POINTER(ctypes.c_int), i32]
@@ -375,6 +376,23 @@ def encoder_attention_f32(
     return out
 
 
+def pack_moe_weights(kernels: CpuKernels, w13: torch.Tensor, w2: torch.Tensor,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 stacked experts -> the fused MoE kernel's layout: each [N, K] matrix as blocks of
+    16 rows, each K/2 steps of [16 rows][2] (zero rows pad the last block). Gate and up are
+    packed apart (w13 [E, 2I, H] -> [E, 2, ceil(I/16), H/2, 32]), down [E, H, I] -> [E,
+    ceil(H/16), I/2, 32]. H and I must be even."""
+    num_local, two_inter, hidden = w13.shape
+    inter = two_inter // 2
+    gate_up = w13.reshape(num_local * 2, inter, hidden).contiguous()
+    w13p = torch.empty(num_local, 2, -(-inter // 16), hidden // 2, 32, dtype=torch.bfloat16)
+    kernels.moe_pack(gate_up.data_ptr(), w13p.data_ptr(), num_local * 2, inter, hidden)
+    w2 = w2.contiguous()
+    w2p = torch.empty(num_local, -(-hidden // 16), inter // 2, 32, dtype=torch.bfloat16)
+    kernels.moe_pack(w2.data_ptr(), w2p.data_ptr(), num_local, hidden, inter)
+    return w13p, w2p
+
+
 def fused_moe(
     kernels: CpuKernels,
     x: torch.Tensor,
@@ -383,22 +401,23 @@ def fused_moe(
     w13: torch.Tensor,
     w2: torch.Tensor,
     expert_start: int,
+    num_local: int,
+    inter: int,
 ) -> torch.Tensor:
     """The experts of a MoE block for every token: x [T, H], routing ``weights`` [T, k]
-    (float32) and global expert ``ids`` [T, k]; ``w13`` [E_L, 2 I_L, H] (gate rows then up
-    rows) and ``w2`` [E_L, H, I_L] hold the local experts ``expert_start`` .. + E_L - 1 (an EP
-    block and/or a TP slice of I; the other experts' slots contribute nothing). Returns
-    [T, H], ``sum_j weights[t, j] * down(silu(gate(x[t])) * up(x[t]))`` over local experts,
-    in x's dtype (bfloat16 or float32, as the weights)."""
+    (float32) and global expert ``ids`` [T, k]; ``w13``/``w2`` hold the ``num_local`` local
+    experts ``expert_start`` .. (an EP block and/or a TP slice ``inter`` of I; the other
+    experts' slots contribute nothing): float32 as stacked ([E_L, 2 I_L, H] gate rows then up
+    rows, [E_L, H, I_L]), bfloat16 from :func:`pack_moe_weights`. Returns [T, H] in x's dtype,
+    ``sum_j weights[t, j] * down(silu(gate(x[t])) * up(x[t]))`` over local experts."""
     x = x.contiguous()
     num_tokens, hidden = x.shape
-    num_local, two_inter, _ = w13.shape
     ids = ids.to(torch.int64).contiguous()
     weights = weights.to(torch.float32).contiguous()
     out = torch.empty_like(x)
     kernels.fused_moe[x.dtype](
         x.data_ptr(), ids.data_ptr(), weights.data_ptr(), w13.data_ptr(), w2.data_ptr(),
-        out.data_ptr(), num_tokens, ids.shape[1], expert_start, num_local, hidden,
-        two_inter // 2, torch.get_num_threads(),
+        out.data_ptr(), num_tokens, ids.shape[1], expert_start, num_local, hidden, inter,
+        torch.get_num_threads(),
     )
     return out
