@@ -711,24 +711,25 @@ static int64_t moe_group(const int64_t *ids, int64_t TK, int64_t e0, int64_t E, 
         if (e >= 0 && e < E) offs[e + 1]++;
     }
     for (int64_t e = 0; e < E; e++) offs[e + 1] += offs[e];
-    int64_t *fill = (int64_t *)malloc((E + 1) * sizeof(int64_t));
-    memcpy(fill, offs, (E + 1) * sizeof(int64_t));
+    /* offs[e] walks to offs[e + 1] while placing e's assignments; then shift it back */
     for (int64_t a = 0; a < TK; a++) {
         const int64_t e = ids[a] - e0;
-        if (e >= 0 && e < E) order[fill[e]++] = a;
+        if (e >= 0 && e < E) order[offs[e]++] = a;
     }
-    free(fill);
+    for (int64_t e = E; e > 0; e--) offs[e] = offs[e - 1];
+    offs[0] = 0;
     return offs[E];
 }
 
 /* The float32 kernel over the plain [E, 2I, H] / [E, H, I] weights; DT the element type, TILE
    the dot-product tile, ROUND/LOAD/STORE the conversions (identity for float32). */
 #define MOE_KERNEL(NAME, DT, TILE, ROUND, LOAD, STORE)                                           \
-    void NAME(const DT *x, const int64_t *ids, const float *topw, const DT *w13, const DT *w2,  \
-              DT *out, int64_t T, int64_t K, int64_t e0, int64_t E, int64_t H, int64_t I,        \
-              int nthreads) {                                                                    \
+    int NAME(const DT *x, const int64_t *ids, const float *topw, const DT *w13, const DT *w2,   \
+             DT *out, int64_t T, int64_t K, int64_t e0, int64_t E, int64_t H, int64_t I,         \
+             int nthreads) {                                                                     \
         int64_t *offs = (int64_t *)malloc((E + 1) * sizeof(int64_t));                            \
         int64_t *order = (int64_t *)malloc((T * K + 1) * sizeof(int64_t));                       \
+        if (!offs || !order) { free(offs); free(order); return -1; }                             \
         const int64_t N = moe_group(ids, T * K, e0, E, offs, order);                             \
         const int64_t ichunks = (I + MOE_ICHUNK - 1) / MOE_ICHUNK;                               \
         int64_t *items = (int64_t *)malloc((E * ichunks + 1) * sizeof(int64_t));                 \
@@ -737,6 +738,7 @@ static int64_t moe_group(const int64_t *ids, int64_t TK, int64_t e0, int64_t E, 
             if (offs[e + 1] > offs[e])                                                           \
                 for (int64_t c = 0; c < ichunks; c++) items[nitems++] = e * ichunks + c;         \
         DT *act = (DT *)malloc((N * I + 1) * sizeof(DT));                                        \
+        if (!items || !act) { free(items); free(act); free(order); free(offs); return -1; }     \
         const int64_t hchunks = (H + MOE_HCHUNK - 1) / MOE_HCHUNK;                               \
         _Pragma("omp parallel num_threads(nthreads) if (N * H * I >= 65536)")                   \
         {                                                                                        \
@@ -808,6 +810,7 @@ static int64_t moe_group(const int64_t *ids, int64_t TK, int64_t e0, int64_t E, 
         free(items);                                                                             \
         free(order);                                                                             \
         free(offs);                                                                              \
+        return 0;                                                                                \
     }
 
 static inline float moe_id(float f) { return f; }
@@ -877,11 +880,12 @@ static inline __attribute__((always_inline)) void moe_block2_bf16(
     }
 }
 
-void ingot_fused_moe_bf16(const uint16_t *x, const int64_t *ids, const float *topw,
-                          const uint16_t *w13p, const uint16_t *w2p, uint16_t *out, int64_t T,
-                          int64_t K, int64_t e0, int64_t E, int64_t H, int64_t I, int nthreads) {
+int ingot_fused_moe_bf16(const uint16_t *x, const int64_t *ids, const float *topw,
+                         const uint16_t *w13p, const uint16_t *w2p, uint16_t *out, int64_t T,
+                         int64_t K, int64_t e0, int64_t E, int64_t H, int64_t I, int nthreads) {
     int64_t *offs = (int64_t *)malloc((E + 1) * sizeof(int64_t));
     int64_t *order = (int64_t *)malloc((T * K + 1) * sizeof(int64_t));
+    if (!offs || !order) { free(offs); free(order); return -1; }
     const int64_t N = moe_group(ids, T * K, e0, E, offs, order);
     const int64_t ib = (I + 15) / 16, hb = (H + 15) / 16, kh = H / 2, ki = I / 2;
     int64_t *items = (int64_t *)malloc((E * ib + 1) * sizeof(int64_t));
@@ -890,6 +894,7 @@ void ingot_fused_moe_bf16(const uint16_t *x, const int64_t *ids, const float *to
         if (offs[e + 1] > offs[e])
             for (int64_t c = 0; c < ib; c++) items[nitems++] = e * ib + c;
     uint16_t *act = (uint16_t *)malloc((N * I + 1) * sizeof(uint16_t));
+    if (!items || !act) { free(items); free(act); free(order); free(offs); return -1; }
     const int64_t hitems = (hb + 1) / 2; /* two blocks (64 bytes of a row of out) per item */
 #pragma omp parallel num_threads(nthreads) if (N * H * I >= 65536)
     {
@@ -960,6 +965,7 @@ void ingot_fused_moe_bf16(const uint16_t *x, const int64_t *ids, const float *to
     free(items);
     free(order);
     free(offs);
+    return 0;
 }
 
 /* ---------------------------------------------------------------------------------------- */

@@ -78,6 +78,8 @@ class CpuKernels:
         moe_args = [p] * 6 + [i64] * 6 + [i32]
         self.fused_moe = {torch.bfloat16: self._bind(lib.ingot_fused_moe_bf16, moe_args),
                           torch.float32: self._bind(lib.ingot_fused_moe_f32, moe_args)}
+        for fn in self.fused_moe.values():
+            fn.restype = i32  # -1: its work buffers could not be allocated
         self.moe_pack = self._bind(lib.ingot_moe_pack_bf16, [p] * 2 + [i64] * 3)
         self.bind_threads = lib.ingot_bind_threads  # platforms/cpu_threads.py pins teams with it
         self.bind_threads.restype = ctypes.c_int
@@ -415,9 +417,12 @@ def fused_moe(
     ids = ids.to(torch.int64).contiguous()
     weights = weights.to(torch.float32).contiguous()
     out = torch.empty_like(x)
-    kernels.fused_moe[x.dtype](
+    status = kernels.fused_moe[x.dtype](
         x.data_ptr(), ids.data_ptr(), weights.data_ptr(), w13.data_ptr(), w2.data_ptr(),
         out.data_ptr(), num_tokens, ids.shape[1], expert_start, num_local, hidden, inter,
         torch.get_num_threads(),
     )
+    if status != 0:
+        raise MemoryError(f"fused MoE kernel: no memory for the work buffers of {num_tokens} "
+                          f"tokens x {ids.shape[1]} experts (lower --max-num-batched-tokens)")
     return out
