@@ -25,7 +25,6 @@ import logging
 import multiprocessing
 import os
 import pickle
-import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -45,7 +44,7 @@ from ingot.worker.multiproc_executor import (
     STARTUP_TIMEOUT_S,
     ChildProcesses,
     WorkerProcessError,
-    _watch_parent,
+    child_links,
     wait_started,
 )
 
@@ -73,25 +72,13 @@ def _engine_main(config: EngineConfig, dp_rank: int, in_addr: str, out_addr: str
     """One replica: an EngineCore and its step loop. Messages in: ``(kind, payload)``; out:
     ``(dp_rank, status, value)`` with status "ready", "outputs" (outputs, stats), "rpc"
     (call id, result), "error" (a traceback: the replica is gone)."""
-    logging.basicConfig(level=log_level,
-                        format=f"%(asctime)s %(levelname)s [dp {dp_rank}] %(message)s")
-    logging.getLogger("ingot").setLevel(log_level)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    ctx = zmq.Context()
-    inbox = ctx.socket(zmq.PULL)
-    inbox.connect(in_addr)
-    outbox = ctx.socket(zmq.PUSH)
-    outbox.connect(out_addr)
+    def rpc_error(status: str, value: Any, exc: Exception) -> tuple[str, Any]:
+        # An unpicklable RPC result fails that call, not the replica.
+        call_id = value[0] if status == "rpc" else None
+        return "rpc", (call_id, ("error", RuntimeError(f"result not picklable: {exc!r}")))
 
-    def reply(status: str, value: Any) -> None:
-        try:
-            message = pickle.dumps((dp_rank, status, value), protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as exc:  # noqa: BLE001 - an unpicklable RPC result must still answer
-            call_id = value[0] if status == "rpc" else None
-            message = pickle.dumps((dp_rank, "rpc", (call_id, (
-                "error", RuntimeError(f"result not picklable: {exc!r}")))))
-        outbox.send(message)
-
+    inbox, reply = child_links(dp_rank, f"dp {dp_rank}", in_addr, out_addr, parent_pid,
+                               log_level, rpc_error)
     try:
         from ingot.engine.core import EngineCore
         from ingot.engine.tokenizer import load_tokenizer

@@ -54,11 +54,20 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(1.0)
 
 
-def _worker_main(
-    config: EngineConfig, rank: int, distributed_init_method: str | None, in_addr: str,
-    out_addr: str, parent_pid: int, log_level: int,
-) -> None:
-    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [rank {rank}] %(message)s")
+def _unpicklable(status: str, value: Any, exc: Exception) -> tuple[str, Any]:
+    return "error", f"result not picklable: {exc!r}"
+
+
+def child_links(
+    index: int, label: str, in_addr: str, out_addr: str, parent_pid: int, log_level: int,
+    unpicklable: Callable[[str, Any, Exception], tuple[str, Any]] = _unpicklable,
+) -> tuple[zmq.Socket, Callable[[str, Any], None]]:
+    """The preamble of a ``ChildProcesses`` child: logging tagged ``[label]``, the parent-death
+    watch, and its two sockets. Returns (the inbox to receive calls on, ``reply(status,
+    value)``, which sends ``(index, status, value)``). A value that does not pickle is replaced
+    by ``unpicklable(status, value, exc)``'s (status, value): the parent must still get an
+    answer, or it would wait for one forever."""
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [{label}] %(message)s")
     logging.getLogger("ingot").setLevel(log_level)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     ctx = zmq.Context()
@@ -69,10 +78,19 @@ def _worker_main(
 
     def reply(status: str, value: Any) -> None:
         try:
-            outbox.send(pickle.dumps((rank, status, value), protocol=pickle.HIGHEST_PROTOCOL))
-        except Exception as exc:  # noqa: BLE001 - an unpicklable result must still answer
-            outbox.send(pickle.dumps((rank, "error", f"result not picklable: {exc!r}")))
+            message = pickle.dumps((index, status, value), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            message = pickle.dumps((index, *unpicklable(status, value, exc)))
+        outbox.send(message)
 
+    return inbox, reply
+
+
+def _worker_main(
+    config: EngineConfig, rank: int, distributed_init_method: str | None, in_addr: str,
+    out_addr: str, parent_pid: int, log_level: int,
+) -> None:
+    inbox, reply = child_links(rank, f"rank {rank}", in_addr, out_addr, parent_pid, log_level)
     try:
         from ingot.worker.worker import Worker
 
