@@ -134,14 +134,16 @@ class ShmCommunicator:
 
     @classmethod
     def create(cls, device_group: dist.ProcessGroup, ranks: Sequence[int], rank_in_group: int,
-               backend: str, slot_bytes: int | None = None,
-               timeout_s: float = 600.0) -> ShmCommunicator | None:
+               backend: str, slot_bytes: int | None = None, timeout_s: float = 600.0,
+               node: int = 0) -> ShmCommunicator | None:
         """The segment for this group, or None (every rank returns the same) when a rank is
-        on another host, the platform does not allow it, or the segment cannot be made."""
+        on another host or node (``node``: --node-rank; two "nodes" on one host still keep
+        apart), the platform does not allow it, or the segment cannot be made. The hosts are
+        compared before any segment exists, so no rank ever opens another host's."""
         world_size = len(ranks)
         reason = shm_supported(backend)
         slot = slot_bytes if slot_bytes is not None else slot_bytes_from_env()
-        mine = (reason, host_identity(), os.getpid())
+        mine = (reason, f"{host_identity()}#node{node}", os.getpid())
         everyone: list = [None] * world_size
         dist.all_gather_object(everyone, mine, group=device_group)
         why = decline_reason(everyone)

@@ -1,0 +1,93 @@
+"""TP across nodes with vLLM's flags, two "nodes" on localhost: node 0 is
+``LLM(tensor_parallel_size=2, nnodes=2, node_rank=0, master_addr=...)`` (the engine and rank 0),
+node 1 is ``ingot serve MODEL ... --nnodes 2 --node-rank 1 --headless`` (rank 1 only), meeting
+over TCP. Greedy tokens and logprobs equal TP=1's; the collectives go over gloo, never the
+shared memory that one host would also allow; shutting node 0 down ends node 1's launcher."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from server_utils import free_port
+from tiny import make_tiny_model
+
+from ingot import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow  # one engine at TP 1, two ranks on two "nodes"
+
+PROMPTS = [[3, 17, 92, 45, 200, 11, 8, 250, 77, 5, 133], [9, 8, 7], list(range(40, 70))]
+COMMON = dict(dtype="float32", max_model_len=128, block_size=4, max_num_seqs=4)
+
+
+@pytest.fixture(scope="module")
+def gqa_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tp-nodes")
+    return make_tiny_model("llama", path, vocab_size=259, num_key_value_heads=1)
+
+
+def _outputs(llm: LLM) -> tuple[list, list]:
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    out = llm.generate(PROMPTS, greedy)
+    return ([o.outputs[0].token_ids for o in out],
+            [[{t: v.logprob for t, v in step.items()} for step in o.outputs[0].logprobs]
+             for o in out])
+
+
+@pytest.fixture(scope="module")
+def runs(gqa_dir, tmp_path_factory):
+    port = free_port()
+    nodes = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
+             "--master-port", str(port)]
+    log_path = tmp_path_factory.mktemp("node1") / "node1.log"
+    # Node 1 first: its rank waits in the rendezvous while the TP 1 reference runs.
+    with open(log_path, "w") as log:
+        node1 = subprocess.Popen(
+            [sys.executable, "-m", "ingot.entrypoints.cli", "serve", str(gqa_dir),
+             "--dtype", "float32", "--max-model-len", "128", "--block-size", "4",
+             "--max-num-seqs", "4", *nodes, "--node-rank", "1", "--headless"],
+            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        llm = LLM(str(gqa_dir), skip_tokenizer_init=True, **COMMON)
+        try:
+            ref = _outputs(llm)
+        finally:
+            llm.llm_engine.shutdown()
+        llm = LLM(str(gqa_dir), skip_tokenizer_init=True, tensor_parallel_size=2, nnodes=2,
+                  node_rank=0, master_addr="127.0.0.1", master_port=port, **COMMON)
+        try:
+            got = _outputs(llm)
+            stats = llm.llm_engine.collective_rpc("startup_stats")
+        finally:
+            llm.llm_engine.shutdown()
+        node1_exit = node1.wait(timeout=60)
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
+    return ref, got, stats, node1_exit, log_path.read_text()
+
+
+def test_two_nodes_give_tp1_greedy_tokens_and_logprobs(runs):
+    (ref_tokens, ref_lp), (tokens, lp), *_ = runs
+    assert tokens == ref_tokens
+    for got_req, ref_req in zip(lp, ref_lp, strict=True):
+        for g, r in zip(got_req, ref_req, strict=True):
+            assert g.keys() == r.keys()
+            assert all(abs(g[t] - v) < 1e-5 for t, v in r.items())
+
+
+def test_each_node_runs_its_rank_over_gloo(runs):
+    """Both "nodes" are this host, where shared memory would also work: the ranks must still
+    keep to torch.distributed (gloo), since across real hosts nothing else can."""
+    stats = runs[2]
+    assert [s["node_rank"] for s in stats] == [0, 1]
+    assert [s["tp_collectives"] for s in stats] == ["gloo", "gloo"]
+    assert stats[0]["pid"] != stats[1]["pid"]
+    assert stats[0]["num_blocks"] == stats[1]["num_blocks"] > 0
+
+
+def test_node1_launcher_exits_cleanly_after_node0_shuts_down(runs):
+    assert runs[3] == 0, runs[4]
+    assert "worker ranks [1] for the head node at tcp://127.0.0.1" in runs[4]
