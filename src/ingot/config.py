@@ -8,6 +8,7 @@ an immutable-by-convention ``EngineConfig``.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import logging
 import os
@@ -672,6 +673,11 @@ class EngineArgs:
             raise ValueError(
                 f"tensor_parallel_size {tp} runs one worker process per rank: use "
                 "--distributed-executor-backend mp (the default with several ranks) or ray"
+            )
+        if backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValueError(
+                "distributed_executor_backend ray needs Ray, which is not installed: "
+                "pip install 'ingot[ray]' (or use --distributed-executor-backend mp)"
             )
         if backend == "ray" and self.data_parallel_size > 1:
             raise ValueError(

@@ -103,3 +103,25 @@ def test_a_node_never_launched_is_reported_by_node_and_ranks():
         for proc in children.procs:
             proc.terminate()
         children.close()
+
+
+def test_ray_backend_needs_ray_and_says_how_to_install_it(tiny_llama_dir, monkeypatch):
+    import importlib.util
+    import sys
+
+    from ingot.worker.ray_executor import import_ray
+
+    ray_tp2 = dict(tensor_parallel_size=2, distributed_executor_backend="ray")
+    # Installed (the test extra): accepted.
+    assert _args(tiny_llama_dir, **ray_tp2).create_engine_config() \
+        .parallel_config.distributed_executor_backend == "ray"
+    with pytest.raises(ValueError, match="ray is not supported with data_parallel_size > 1"):
+        _args(tiny_llama_dir, data_parallel_size=2, **ray_tp2).create_engine_config()
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a, **k: None if name == "ray" else real(name, *a, **k))
+    with pytest.raises(ValueError, match=r"needs Ray.*pip install 'ingot\[ray\]'"):
+        _args(tiny_llama_dir, **ray_tp2).create_engine_config()
+    monkeypatch.setitem(sys.modules, "ray", None)  # the executor's own import, too
+    with pytest.raises(ImportError, match=r"pip install 'ingot\[ray\]'"):
+        import_ray()
