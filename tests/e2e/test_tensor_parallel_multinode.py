@@ -1,8 +1,11 @@
 """TP across nodes with vLLM's flags, two "nodes" on localhost: node 0 is
 ``LLM(tensor_parallel_size=2, nnodes=2, node_rank=0, master_addr=...)`` (the engine and rank 0),
 node 1 is ``ingot serve MODEL ... --nnodes 2 --node-rank 1 --headless`` (rank 1 only), meeting
-over TCP. Greedy tokens and logprobs equal TP=1's; the collectives go over gloo, never the
-shared memory that one host would also allow; shutting node 0 down ends node 1's launcher."""
+over TCP. The model is a tiny Qwen3-MoE with one KV head (replicated over the ranks) and a
+dense layer, under expert parallelism, so one run checks TP attention and dense MLPs across
+nodes and EP across nodes: greedy tokens and logprobs equal TP=1's; each node holds half the
+experts; the collectives go over gloo, never the shared memory that one host would also allow;
+shutting node 0 down ends node 1's launcher."""
 
 from __future__ import annotations
 
@@ -22,9 +25,9 @@ COMMON = dict(dtype="float32", max_model_len=128, block_size=4, max_num_seqs=4)
 
 
 @pytest.fixture(scope="module")
-def gqa_dir(tmp_path_factory):
+def moe_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tp-nodes")
-    return make_tiny_model("llama", path, vocab_size=259, num_key_value_heads=1)
+    return make_tiny_model("qwen3_moe", path, vocab_size=259, num_key_value_heads=1)
 
 
 def _outputs(llm: LLM) -> tuple[list, list]:
@@ -36,26 +39,27 @@ def _outputs(llm: LLM) -> tuple[list, list]:
 
 
 @pytest.fixture(scope="module")
-def runs(gqa_dir, tmp_path_factory):
+def runs(moe_dir, tmp_path_factory):
     port = free_port()
     nodes = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
-             "--master-port", str(port)]
+             "--master-port", str(port), "--enable-expert-parallel"]
     log_path = tmp_path_factory.mktemp("node1") / "node1.log"
     # Node 1 first: its rank waits in the rendezvous while the TP 1 reference runs.
     with open(log_path, "w") as log:
         node1 = subprocess.Popen(
-            [sys.executable, "-m", "ingot.entrypoints.cli", "serve", str(gqa_dir),
+            [sys.executable, "-m", "ingot.entrypoints.cli", "serve", str(moe_dir),
              "--dtype", "float32", "--max-model-len", "128", "--block-size", "4",
              "--max-num-seqs", "4", *nodes, "--node-rank", "1", "--headless"],
             stdout=log, stderr=subprocess.STDOUT)
     try:
-        llm = LLM(str(gqa_dir), skip_tokenizer_init=True, **COMMON)
+        llm = LLM(str(moe_dir), skip_tokenizer_init=True, **COMMON)
         try:
             ref = _outputs(llm)
         finally:
             llm.llm_engine.shutdown()
-        llm = LLM(str(gqa_dir), skip_tokenizer_init=True, tensor_parallel_size=2, nnodes=2,
-                  node_rank=0, master_addr="127.0.0.1", master_port=port, **COMMON)
+        llm = LLM(str(moe_dir), skip_tokenizer_init=True, tensor_parallel_size=2, nnodes=2,
+                  node_rank=0, master_addr="127.0.0.1", master_port=port,
+                  enable_expert_parallel=True, **COMMON)
         try:
             got = _outputs(llm)
             stats = llm.llm_engine.collective_rpc("startup_stats")
@@ -86,6 +90,7 @@ def test_each_node_runs_its_rank_over_gloo(runs):
     assert [s["tp_collectives"] for s in stats] == ["gloo", "gloo"]
     assert stats[0]["pid"] != stats[1]["pid"]
     assert stats[0]["num_blocks"] == stats[1]["num_blocks"] > 0
+    assert [s["local_experts"] for s in stats] == [(0, 2), (2, 2)]  # EP over the nodes
 
 
 def test_node1_launcher_exits_cleanly_after_node0_shuts_down(runs):

@@ -356,6 +356,10 @@ class Worker:
             "num_blocks": self.num_blocks,
             "pid": os.getpid(),
             "node_rank": self.config.parallel_config.node_rank,  # TP across nodes: its node
+            # MoE: the first MoE layer's experts here, (first, count) (None: a dense model).
+            "local_experts": next(((m.expert_start, m.num_local_experts)
+                                   for m in self.model.modules() if hasattr(m, "expert_start")),
+                                  None),
             # TP: what carries the collectives ("shm", "gloo", "nccl"; None with one rank)
             # and whether prefill runs sequence-parallel.
             "tp_collectives": tp_collectives(),
