@@ -124,11 +124,16 @@ def test_ray_executor_tp2_equals_tp1_and_a_dead_actor_fails_requests(moe_dir, ru
             assert len(pids) == 2 and os.getpid() not in pids  # two actors, not this process
             assert [s["tp_collectives"] for s in stats] == ["shm", "shm"]  # one node
             assert [s["local_experts"] for s in stats] == [(0, 4), (0, 4)]  # TP of experts
-            ray.kill(llm.llm_engine.engine_core.executor.workers[1])
+            llm.llm_engine.check_health()  # all alive
+            executor = llm.llm_engine.engine_core.executor
+            ray.kill(executor.workers[1])
             start = time.monotonic()
-            with pytest.raises(IngotError, match=r"worker rank 1 \(Ray actor\) failed"):
-                llm.generate(PROMPTS, GREEDY)
+            with pytest.raises(IngotError, match=r"worker rank 1 \(Ray actor\) failed during"):
+                llm.generate(PROMPTS, GREEDY)  # the step's call finds it
             assert time.monotonic() - start < 30
+            executor._dead = None  # forget that: an idle engine's health check finds it too
+            with pytest.raises(IngotError, match=r"worker rank 1 \(Ray actor .*\) is gone"):
+                llm.llm_engine.check_health()
         finally:
             llm.llm_engine.shutdown()
     finally:

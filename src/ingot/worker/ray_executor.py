@@ -12,8 +12,9 @@ is. The rendezvous is on rank 0's node (its address, a free port there), since t
 be on any node.
 
 A worker that raises, or an actor that dies (its node lost, killed), fails the call that waits
-on it with ``WorkerProcessError`` naming the rank, within ``_POLL_S`` of Ray noticing; every
-later call fails at once (the engine must be restarted), never a hang.
+on it with ``WorkerProcessError`` naming the rank, within ``_POLL_S`` of Ray noticing, and an
+idle engine's health check finds a dead actor by its name; every later call fails at once (the
+engine must be restarted), never a hang.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -59,11 +61,12 @@ class RayWorker:
     """One rank in a Ray actor. ``address`` runs first on rank 0 (where to meet), then
     ``start`` on every rank at once (joining torch.distributed is a collective)."""
 
-    def __init__(self, log_level: int) -> None:
-        logging.basicConfig(level=log_level)
+    def __init__(self, rank: int, log_level: int) -> None:
+        logging.basicConfig(level=log_level,
+                            format=f"%(asctime)s %(levelname)s [rank {rank}] %(message)s")
         logging.getLogger("ingot").setLevel(log_level)
         self.worker: Any = None
-        self.rank = 0
+        self.rank = rank
 
     def address(self, loopback: bool) -> str:
         """A torch.distributed rendezvous on this actor's node: its address, a free port."""
@@ -75,11 +78,10 @@ class RayWorker:
             port = s.getsockname()[1]
         return f"tcp://{host}:{port}"
 
-    def start(self, config: EngineConfig, rank: int, init_method: str | None) -> int:
+    def start(self, config: EngineConfig, init_method: str | None) -> int:
         from ingot.worker.worker import Worker
 
-        self.rank = rank
-        self.worker = Worker(config, rank=rank, distributed_init_method=init_method)
+        self.worker = Worker(config, rank=self.rank, distributed_init_method=init_method)
         return os.getpid()
 
     def call(self, method: RpcMethod, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
@@ -126,14 +128,18 @@ class RayExecutor(Executor):
         cpus = float(os.environ.get(CPUS_PER_WORKER_ENV, "1"))
         actor = ray.remote(num_cpus=0 if cuda else cpus, num_gpus=1 if cuda else 0)(RayWorker)
         level = logging.getLogger("ingot").getEffectiveLevel()
-        self.workers = [actor.remote(level) for _ in range(self.world_size)]
+        # Named, so that check_health can ask Ray whether each is still alive (a dead
+        # actor's name is released).
+        tag = uuid.uuid4().hex[:12]
+        self._names = [f"ingot-worker-{tag}-{rank}" for rank in range(self.world_size)]
+        self.workers = [actor.options(name=name).remote(rank, level)
+                        for rank, name in enumerate(self._names)]
         try:
             init = None
             if self.world_size > 1:
                 init = self._gather([self.workers[0].address.remote(local)], "start",
                                     STARTUP_TIMEOUT_S)[0]
-            pids = self._gather([w.start.remote(config, rank, init)
-                                 for rank, w in enumerate(self.workers)], "start",
+            pids = self._gather([w.start.remote(config, init) for w in self.workers], "start",
                                 STARTUP_TIMEOUT_S)
         except BaseException:
             self.shutdown()
@@ -189,13 +195,20 @@ class RayExecutor(Executor):
         return reply if non_block else reply.result()
 
     def check_health(self) -> None:
-        # A dead actor is noticed by the call that waits on it (Ray resolves its refs with
-        # the error); between calls only what was seen can be reported.
+        """Raise if an actor is gone (while a call waits, Ray resolves its refs with the
+        error; between calls, a lookup of each actor's name, about 2 ms each)."""
         if self._dead is not None:
             raise WorkerProcessError(f"the workers are down ({self._dead})")
+        for rank, name in enumerate(self._names):
+            try:
+                self._ray.get_actor(name)
+            except ValueError:
+                self._dead = f"worker rank {rank} (Ray actor {name}) is gone"
+                raise WorkerProcessError(self._dead) from None
 
     def shutdown(self) -> None:
         workers, self.workers = getattr(self, "workers", []), []
+        self._names = []
         for w in workers:
             try:
                 self._ray.kill(w)
