@@ -222,7 +222,8 @@ class DPEngineCoreClient:
             self.dp_size, _engine_main, lambda r, init: (replica_config(config, r, init), r),
             "data-parallel rank", "ingot-dp-", local=self.num_local,
             remote=lambda: RemoteReplicas(parallel, range(self.num_local, self.dp_size)),
-            hint=lambda _: " (the ranks of other nodes start with ingot serve --headless)")
+            hint=lambda missing: " (the ranks of other nodes start with ingot serve --headless)"
+            if any(r >= self.num_local for r in missing) else "")
         try:
             # Every replica's first stats, rank order; one that fails, exits or stays silent
             # is named by its rank (as the executor's workers are).

@@ -8,6 +8,12 @@ is collected when its result is needed, after those before it. A worker that rai
 replies with the error, which the parent re-raises (the engine then fails the in-flight
 requests); a worker process that dies is noticed within ``_POLL_S`` while waiting, and by
 ``check_health`` between steps. Children watch their parent and exit if it disappears.
+
+TP across nodes (``--nnodes``): node 0's executor spawns its own ranks as above and binds TCP
+sockets (``--master-port`` + 1 and after) for the other nodes' ranks, which each node's
+``ingot serve --headless`` launcher spawns (``run_headless_workers``); they join
+torch.distributed at ``tcp://--master-addr:--master-port``. The same remote children and
+launcher carry the data-parallel replicas of other nodes (engine/dp_client.py).
 """
 
 from __future__ import annotations
