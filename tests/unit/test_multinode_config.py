@@ -78,6 +78,17 @@ def test_headless_is_for_the_other_nodes(tiny_llama_dir):
         MultiprocExecutor(config)
 
 
+def test_ranks_of_two_nodes_on_one_host_decline_shared_memory():
+    """What makes the two-"node" e2e run gloo: the node index is part of the identity the
+    ranks compare. The same ranks on one node take shared memory (so without the node index,
+    two nodes on one host would too)."""
+    from ingot.distributed.shm_comm import decline_reason, node_identity
+
+    assert decline_reason([(None, node_identity(0), 1), (None, node_identity(1), 2)]) == \
+        "the ranks are on several hosts"
+    assert decline_reason([(None, node_identity(0), 1), (None, node_identity(0), 2)]) is None
+
+
 def test_a_node_never_launched_is_reported_by_node_and_ranks():
     """Node 0's rank has connected and waits in the rendezvous for node 1's, which never
     comes: the error names rank 1 and node 1 (not rank 0, which is only waiting), and says

@@ -61,6 +61,12 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+def node_identity(node: int = 0) -> str:
+    """This host, and the node index it plays (--node-rank): two "nodes" on one host (tests,
+    or containers sharing /dev/shm) must still keep apart, as real ones have to."""
+    return f"{host_identity()}#node{node}"
+
+
 def shm_supported(backend: str) -> str | None:
     """None when this process may use the path, else why not (for the log line)."""
     if os.environ.get(ENABLE_ENV, "1").strip() == "0":
@@ -143,7 +149,7 @@ class ShmCommunicator:
         world_size = len(ranks)
         reason = shm_supported(backend)
         slot = slot_bytes if slot_bytes is not None else slot_bytes_from_env()
-        mine = (reason, f"{host_identity()}#node{node}", os.getpid())
+        mine = (reason, node_identity(node), os.getpid())
         everyone: list = [None] * world_size
         dist.all_gather_object(everyone, mine, group=device_group)
         why = decline_reason(everyone)
