@@ -20,8 +20,10 @@ engine must be restarted), never a hang.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -114,18 +116,18 @@ class RayExecutor(Executor):
         self.world_size = config.parallel_config.tensor_parallel_size
         self._dead: str | None = None
         self._owns_ray = False
+        cpus = float(os.environ.get(CPUS_PER_WORKER_ENV, "1"))
         if not ray.is_initialized():
             if os.environ.get("RAY_ADDRESS"):
                 ray.init(address="auto")
-            else:
-                ray.init(num_cpus=max(os.cpu_count() or 1, self.world_size),
+            else:  # room for every actor, even on fewer cores (they share them, as under mp)
+                ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(self.world_size * cpus)),
                          object_store_memory=LOCAL_OBJECT_STORE_BYTES, include_dashboard=False)
                 self._owns_ray = True
         # One node: the ranks meet over loopback (the node's address may not route to
         # itself in a container); several: on rank 0's address.
         local = self._owns_ray or len([n for n in ray.nodes() if n.get("Alive")]) == 1
         cuda = config.device == "cuda"
-        cpus = float(os.environ.get(CPUS_PER_WORKER_ENV, "1"))
         actor = ray.remote(num_cpus=0 if cuda else cpus, num_gpus=1 if cuda else 0)(RayWorker)
         level = logging.getLogger("ingot").getEffectiveLevel()
         # Named, so that check_health can ask Ray whether each is still alive (a dead
@@ -154,26 +156,26 @@ class RayExecutor(Executor):
         if self._dead is not None:
             raise WorkerProcessError(f"the workers are down ({self._dead}); restart the engine")
         index = {ref: rank for rank, ref in enumerate(refs)}
+        results: dict[int, Any] = {}
         pending = list(refs)
-        waited = 0.0
+        deadline = None if timeout is None else time.monotonic() + timeout
         while pending:
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=_POLL_S)
             for ref in done:
                 try:
-                    ray.get(ref)
+                    results[index[ref]] = ray.get(ref)
                 except Exception as exc:  # noqa: BLE001 - RayTaskError, RayActorError, ...
                     rank = index[ref]
                     self._dead = f"worker rank {rank} failed"
                     raise WorkerProcessError(
                         f"worker rank {rank} (Ray actor) failed during {what}:\n{exc}") from None
-            waited += _POLL_S
-            if pending and timeout is not None and waited > timeout:
+            if pending and deadline is not None and time.monotonic() > deadline:
                 missing = sorted(index[ref] for ref in pending)
                 self._dead = f"worker rank(s) {missing} did not {what}"
                 raise WorkerProcessError(f"worker rank(s) {missing} (Ray actors) did not {what} "
                                          f"within {timeout:.0f} s (enough free CPUs/GPUs in the "
                                          "Ray cluster?)")
-        return ray.get(list(refs))
+        return [results[rank] for rank in range(len(refs))]
 
     def _send(self, method: RpcMethod, args: Sequence[Any], kwargs: dict[str, Any] | None,
               pick: Callable[[list[Any]], Any]) -> _Reply:
