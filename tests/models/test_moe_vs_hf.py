@@ -282,6 +282,30 @@ def test_fused_moe_kernel_on_expert_and_intermediate_shards(dtype):
         torch.testing.assert_close(total.to(dtype), full, **KERNEL_TOL[dtype])
 
 
+@needs_kernels
+def test_bf16_moe_model_packs_its_experts_and_counts_them(tmp_path):
+    """Loaded in bf16, every MoE layer reads packed experts (the plain copy released) and the
+    resident weight bytes count the packed copy, as the KV budget needs."""
+    from ingot.config import EngineArgs
+    from ingot.model_executor.layers.linear import resident_weight_bytes
+    from ingot.model_executor.loader.model_loader import load_model
+
+    path = make_tiny_model("qwen3_moe", tmp_path)
+    config = EngineArgs(model=str(path), dtype="bfloat16",
+                        skip_tokenizer_init=True).create_engine_config()
+    model = load_model(config.model_config, torch.device("cpu"))
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    assert layers and all(m.cpu_kernels is not None and m.w13.numel() == 0 for m in layers)
+    packed = sum(t.numel() * t.element_size() for m in layers for t in m.kernel_weights)
+    resident = resident_weight_bytes(model)
+    kept = [m.kernel_weights for m in layers]
+    for m in layers:
+        m.kernel_weights = None
+    assert resident - resident_weight_bytes(model) == packed > 0
+    for m, weights in zip(layers, kept, strict=True):
+        m.kernel_weights = weights
+
+
 def test_route_renormalised_equals_softmax_over_top_k_logits():
     """Mixtral's definition (softmax over the top-k logits) is the renormalised route."""
     logits = torch.randn(10, 8, generator=torch.Generator().manual_seed(2))
