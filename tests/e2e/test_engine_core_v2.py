@@ -130,7 +130,7 @@ def test_bad_packing_knob_is_a_clear_error(tiny_llama_dir):
     with pytest.raises(ValueError, match="needs eager layers"):
         LLM(str(tiny_llama_dir), compile=True, additional_config={"max_num_prefills_per_step": 4})
     with pytest.raises(ValueError, match="distributed_executor_backend"):
-        LLM(str(tiny_llama_dir), distributed_executor_backend="ray")
+        LLM(str(tiny_llama_dir), distributed_executor_backend="slurm")
 
 
 def test_worker_error_is_raised_and_the_executor_reports_it(tiny_llama_dir):
