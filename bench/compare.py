@@ -11,6 +11,8 @@ docs/throughput_vs_batch.png.
     .venv/bin/python bench/compare.py --workloads single,prefill
     .venv/bin/python bench/compare.py --dry-run                # fake figures, nothing runs
     make compare COMPARE_ARGS="--workloads single,prefill"
+    .venv/bin/python bench/compare.py --contend 1              # beside one CPU-bound process
+    .venv/bin/python bench/compare.py --cpu-limit taskset:0    # inside taskset -c 0 (cgroup:1)
 
 Workloads: offline, single, prefill (../shared/bench/vllm_workloads.py's) and sweep (batch
 sizes 1, 4, 16, 64; `ingot bench sweep`, bench/peer_sweep.py). The peer needs a Hugging Face
@@ -35,15 +37,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ingot.benchmarks.cpu_limit import cpu_limited, parse_cpu_limit
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_BENCH = ROOT.parent / "shared" / "bench"
 DEFAULT_PEER_PYTHON = Path.home() / ".cache" / "ingot-peer" / "vllm" / "bin" / "python"
 DEFAULT_MODEL_DIR = Path.home() / ".cache" / "ingot" / "smollm2-hf"
 START, END = "<!-- compare:start -->", "<!-- compare:end -->"
 # --contend N: the same comparison with N CPU-bound competitors beside each engine (issue #21),
-# in its own section, so the quiet one survives, and with its own targets.
+# in its own section, so the quiet one survives, and with its own targets; --cpu-limit likewise
+# (one section per kind of limit).
 CONTEND_START, CONTEND_END = "<!-- compare-contend:start -->", "<!-- compare-contend:end -->"
 CONTEND_TARGETS = {"offline": 1.3, "single": 1.5}
+LIMIT_TARGETS = {"single": 1.3}
 WORKLOADS = ("offline", "single", "prefill", "sweep")
 INGOT = "ingot"
 
@@ -56,6 +62,70 @@ TARGETS: dict[str, tuple[str, str, bool, float]] = {
 }
 SHAPES = {"offline": "64 x 128 -> 128", "single": "1 x 128 -> 128", "prefill": "1 x 1024 -> 1"}
 BOUND_TARGET = 0.60  # single-stream decode as a fraction of the bandwidth bound
+
+
+@dataclass(frozen=True)
+class Condition:
+    """What surrounds each benchmark process: a quiet machine, ``contend`` CPU-bound
+    competitors, or a CPU limit (``taskset:LIST`` / ``cgroup:CPUS``). Each condition has its
+    own section of the report (its markers), title and targets."""
+
+    contend: int = 0
+    cpu_limit: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.contend and self.cpu_limit:
+            raise ValueError("--contend and --cpu-limit measure different things; use one")
+        if self.cpu_limit:
+            parse_cpu_limit(self.cpu_limit)
+
+    @property
+    def markers(self) -> tuple[str, str]:
+        if self.cpu_limit:
+            kind = parse_cpu_limit(self.cpu_limit).kind
+            return f"<!-- compare-limit-{kind}:start -->", f"<!-- compare-limit-{kind}:end -->"
+        return (CONTEND_START, CONTEND_END) if self.contend else (START, END)
+
+    def target(self, workload: str) -> float | None:
+        if self.cpu_limit:
+            return LIMIT_TARGETS.get(workload)
+        if self.contend:
+            return CONTEND_TARGETS.get(workload, TARGETS[workload][3])
+        return TARGETS[workload][3]
+
+    def title(self) -> str:
+        if self.cpu_limit:
+            return f", inside {parse_cpu_limit(self.cpu_limit).describe()}"
+        if self.contend:
+            return (f", {self.contend} competing CPU-bound "
+                    f"process{'es' if self.contend > 1 else ''}")
+        return ""
+
+    def sentence(self) -> str:
+        if self.cpu_limit:
+            return (f" Each engine's process (and its children) ran inside "
+                    f"{parse_cpu_limit(self.cpu_limit).describe()} (`--cpu-limit "
+                    f"{self.cpu_limit}`).")
+        if self.contend:
+            return (f" Each engine's process ran beside {self.contend} `python3 -c \"while True: "
+                    "pass\"` process(es), started before it and stopped after it (`--contend`).")
+        return ""
+
+    def command_comment(self) -> str:
+        if self.cpu_limit:
+            return f"# inside --cpu-limit {self.cpu_limit}\n"
+        if self.contend:
+            return f"# beside {self.contend} x python3 -c 'while True: pass'\n"
+        return ""
+
+    @property
+    def plot_name(self) -> str:
+        if self.cpu_limit:
+            return f"throughput_vs_batch_{parse_cpu_limit(self.cpu_limit).kind}.png"
+        return "throughput_vs_batch_contended.png" if self.contend else "throughput_vs_batch.png"
+
+
+QUIET = Condition()
 
 
 # ---- RESULT lines ------------------------------------------------------------------------
@@ -173,16 +243,14 @@ def render_section(
     date: str,
     plot_name: str | None = "throughput_vs_batch.png",
     notes: Sequence[str] = (),
-    contend: int = 0,
+    condition: Condition = QUIET,
 ) -> str:
-    """The markdown between the compare markers (the contention section's with ``contend``)."""
+    """The markdown between the condition's markers (the quiet comparison's by default)."""
     ingot = per_setting.get(INGOT, {})
     peers = [s for s in per_setting if s != INGOT]
-    title = "## ingot vs vLLM CPU backend"
-    if contend:
-        title += f", {contend} competing CPU-bound process{'es' if contend > 1 else ''}"
+    title = "## ingot vs vLLM CPU backend" + condition.title()
     lines = [
-        CONTEND_START if contend else START,
+        condition.markers[0],
         title,
         "",
         f"`bench/compare.py`, {date}: the default model (SmolLM2-135M-Instruct) in bf16 on both "
@@ -192,16 +260,13 @@ def render_section(
         "reading the GGUF converted to a bf16 Hugging Face directory; ingot reads the GGUF "
         "(dequantised to bf16 at load). \"ingot vs vLLM\" is how many times better ingot is "
         "(rate ratio, or time ratio vLLM/ingot), so above 1 means ingot is ahead."
-        + (f" Each engine's process ran beside {contend} `python3 -c \"while True: pass\"` "
-           "process(es), started before it and stopped after it (`--contend`)." if contend
-           else ""),
+        + condition.sentence(),
         "",
         "| workload | metric | ingot | vLLM (best setting) | ingot vs vLLM | target | met |",
         "|---|---|---|---|---|---|---|",
     ]
-    for w, (_key, unit, higher, target) in TARGETS.items():
-        if contend:
-            target = CONTEND_TARGETS.get(w, target)
+    for w, (_key, unit, higher, _quiet_target) in TARGETS.items():
+        target = condition.target(w)
         mine = ingot.get(w)
         peer = best_peer(per_setting, w)
         if mine is None and peer is None:
@@ -211,11 +276,12 @@ def render_section(
             ratio_s, met = "n/a", "n/a"
         else:
             ratio = advantage(mine, peer[0], higher)
-            ratio_s, met = f"{ratio:.2f}x", "yes" if ratio >= target else "no"
+            ratio_s = f"{ratio:.2f}x"
+            met = "n/a" if target is None else "yes" if ratio >= target else "no"
         digits = {"prefill": 3, "startup": 2}.get(w, 1)
         peer_s = "n/a" if peer is None else f"{peer[0]:.{digits}f} ({setting_label(peer[1])})"
         lines.append(f"| {w}{shape} | {unit} | {_fmt(mine, digits)} | {peer_s} | {ratio_s} | "
-                     f">= {target:g}x | {met} |")
+                     f"{'none' if target is None else f'>= {target:g}x'} | {met} |")
     lines += ["", "Every setting (medians; startup: first process, then the median of the later "
               "ones, which find warm caches):", "",
               "| setting | offline total tok/s | single output tok/s | prefill TTFT s | "
@@ -276,15 +342,17 @@ def render_section(
         lines += ["", f"Note: {n}"]
     lines += ["", "Reproduce (what this run executed, in order):", "", "```bash"]
     lines += list(commands)
-    lines += ["```", CONTEND_END if contend else END]
+    lines += ["```", condition.markers[1]]
     return "\n".join(lines) + "\n"
 
 
 def splice_section(doc: str, section: str) -> str:
     """Replace the text between the section's markers (markers included), or append it; the
-    section's first line says which markers (the quiet or the contention comparison)."""
-    begin, finish = ((CONTEND_START, CONTEND_END) if section.startswith(CONTEND_START)
-                     else (START, END))
+    section's first line is its start marker (``<!-- NAME:start -->``: which comparison)."""
+    begin = section.split("\n", 1)[0].strip()
+    if not (begin.startswith("<!-- ") and begin.endswith(":start -->")):
+        raise ValueError(f"a report section starts with its marker, not {begin!r}")
+    finish = begin.replace(":start -->", ":end -->")
     start, end = doc.find(begin), doc.find(finish)
     if start != -1 and end > start:
         return doc[:start] + section.rstrip("\n") + doc[end + len(finish):]
@@ -339,6 +407,19 @@ def contended(runner: Runner, n: int) -> Runner:
 
         with contention(n):
             return runner(cmd, env, log)
+
+    return run
+
+
+def limited(runner: Runner, spec: str | None) -> Runner:
+    """``runner`` with each process inside the CPU limit ``spec`` (both engines alike)."""
+    if not spec:
+        return runner
+    limit = parse_cpu_limit(spec)
+
+    def run(cmd: list[str], env: dict[str, str], log: Path) -> tuple[int, str]:
+        with cpu_limited(limit) as prefix:
+            return runner([*prefix, *cmd], env, log)
 
     return run
 
@@ -456,12 +537,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--contend", type=int, default=0, metavar="N",
                     help="run N CPU-bound competing processes beside every benchmark process "
                     "(both engines); the report goes to its own section")
+    ap.add_argument("--cpu-limit", default=None, metavar="taskset:LIST|cgroup:CPUS",
+                    help="run every benchmark process (both engines) inside a CPU affinity "
+                    "mask (taskset:0) or a CFS quota (cgroup:1; needs write access to the cgroup "
+                    "tree); the report goes to its own section")
     ap.add_argument("--note", action="append", default=[],
                     help="a line for the report's notes (repeatable)")
     args = ap.parse_args(argv)
+    if args.contend < 0:
+        ap.error("--contend must be 0 or a positive number of processes")
+    try:
+        condition = Condition(args.contend, args.cpu_limit)
+    except ValueError as e:
+        ap.error(str(e))
     if args.from_json:
         return report_from_json(args.from_json, args.output or ROOT / "docs" / "PERFORMANCE.md",
-                                args.note, args.contend)
+                                args.note, condition)
 
     workloads = [w for w in args.workloads.split(",") if w]
     unknown = [w for w in workloads if w not in WORKLOADS]
@@ -472,9 +563,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     output = args.output or (log_dir / "PERFORMANCE.md" if args.dry_run
                              else ROOT / "docs" / "PERFORMANCE.md")
-    if args.contend < 0:
-        ap.error("--contend must be 0 or a positive number of processes")
-    runner: Runner = contended(fake_runner if args.dry_run else subprocess_runner, args.contend)
+    runner: Runner = limited(contended(fake_runner if args.dry_run else subprocess_runner,
+                                       args.contend), args.cpu_limit)
     commands: list[str] = []
     notes: list[str] = list(args.note)
     load_start = _loadavg()
@@ -500,9 +590,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs: list[Run] = []
     for rnd in range(args.repeats):
         for i, (setting, w, argv_s, env) in enumerate(steps):
-            line = shell_line(argv_s, env)
-            if args.contend:
-                line = f"# beside {args.contend} x python3 -c 'while True: pass'\n{line}"
+            line = condition.command_comment() + shell_line(argv_s, env)
             if rnd == 0:
                 commands.append(line)
             print(f"[{rnd + 1}/{args.repeats} {i + 1}/{len(steps)}] {line}", flush=True)
@@ -526,10 +614,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         notes.append("DRY RUN: every figure above is fake.")
     (log_dir / "results.json").write_text(json.dumps(
         {"runs": [asdict(r) for r in runs], "membw": membw, "commands": commands,
-         "notes": notes, "date": _dt.date.today().isoformat(), "contend": args.contend},
-        indent=1, default=str))
-    write_report(runs, membw, commands, notes, output, _dt.date.today().isoformat(),
-                 args.contend)
+         "notes": notes, "date": _dt.date.today().isoformat(), "contend": args.contend,
+         "cpu_limit": args.cpu_limit}, indent=1, default=str))
+    write_report(runs, membw, commands, notes, output, _dt.date.today().isoformat(), condition)
     print(f"logs in {log_dir}")
     return 0
 
@@ -542,15 +629,15 @@ def _loadavg() -> float | None:
 
 
 def write_report(runs: Sequence[Run], membw: Mapping[str, Any] | None, commands: Sequence[str],
-                 notes: Sequence[str], output: Path, date: str, contend: int = 0) -> None:
+                 notes: Sequence[str], output: Path, date: str,
+                 condition: Condition = QUIET) -> None:
     """Splice the comparison section into ``output`` and draw the sweep plot beside it."""
     per_setting = {s: summarize_setting([r for r in runs if r.setting == s])
                    for s in dict.fromkeys(r.setting for r in runs)}
-    plot_path = output.parent / ("throughput_vs_batch_contended.png" if contend
-                                 else "throughput_vs_batch.png")
+    plot_path = output.parent / condition.plot_name
     has_plot = plot_sweep(per_setting, plot_path)
     section = render_section(per_setting, machine_info(), commands, membw, date,
-                             plot_path.name if has_plot else None, notes, contend)
+                             plot_path.name if has_plot else None, notes, condition)
     doc = output.read_text() if output.exists() else "# Performance\n"
     output.write_text(splice_section(doc, section))
     print(section)
@@ -558,7 +645,7 @@ def write_report(runs: Sequence[Run], membw: Mapping[str, Any] | None, commands:
 
 
 def report_from_json(path: Path, output: Path, extra_notes: Sequence[str] = (),
-                     contend: int = 0) -> int:
+                     condition: Condition = QUIET) -> int:
     """Rewrite the report from a saved results.json (older files lack commands and notes:
     the commands are then the runs' own, in order)."""
     data = json.loads(path.read_text())
@@ -568,7 +655,9 @@ def report_from_json(path: Path, output: Path, extra_notes: Sequence[str] = (),
         ([".venv/bin/python bench/membw.py"] if membw else []) + [r.command for r in runs])
     notes = [*data.get("notes", []), *extra_notes]
     date = data.get("date") or _dt.date.fromtimestamp(path.stat().st_mtime).isoformat()
-    write_report(runs, membw, commands, notes, output, date, data.get("contend", contend))
+    if "contend" in data or "cpu_limit" in data:  # the run's own condition
+        condition = Condition(data.get("contend") or 0, data.get("cpu_limit"))
+    write_report(runs, membw, commands, notes, output, date, condition)
     return 0
 
 

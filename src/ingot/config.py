@@ -8,6 +8,7 @@ an immutable-by-convention ``EngineConfig``.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import logging
 import os
@@ -64,7 +65,7 @@ DEFAULT_MAX_PREFILLS_PER_STEP = 8
 # Async scheduling when neither --async-scheduling nor --no-async-scheduling is given
 # (docs/features.md has the measurement behind the choice).
 DEFAULT_ASYNC_SCHEDULING = False
-EXECUTOR_BACKENDS = ("uni", "mp")
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 # "auto" stores KV in the model dtype; fp8 / fp8_e4m3 store float8_e4m3fn with per-layer scales.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 # --runner: "auto" takes the architecture's (a BertModel pools, a causal LM generates).
@@ -174,11 +175,25 @@ class ParallelConfig:
     data_parallel_start_rank: int = 0
     data_parallel_address: str = "127.0.0.1"
     data_parallel_rpc_port: int = 29550
+    #: TP across nodes (vLLM's --nnodes/--node-rank/--master-addr/--master-port): node r runs
+    #: ranks [r * TP / nnodes, (r + 1) * TP / nnodes); node 0 the engine. The ranks join
+    #: torch.distributed at tcp://master_addr:master_port, and node 0's executor listens for
+    #: the other nodes' workers on the ports after it (multiproc_executor.py).
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29501
+
+    @property
+    def tp_ranks_local(self) -> int:
+        """TP ranks on this node: all of them, or TP / nnodes."""
+        return self.tensor_parallel_size // self.nnodes
 
     @property
     def host_ranks(self) -> int:
-        """Ranks on this host (TP x the local replicas): they share its CPUs and memory."""
-        return self.tensor_parallel_size * self.local_replicas
+        """Ranks on this host (its TP ranks x the local replicas): they share its CPUs and
+        memory."""
+        return self.tp_ranks_local * self.local_replicas
 
     @property
     def local_replicas(self) -> int:
@@ -187,7 +202,8 @@ class ParallelConfig:
 
     def host_index(self, global_rank: int) -> int:
         """A global rank's index among this host's ranks (a bind list has one part each)."""
-        return global_rank - self.data_parallel_start_rank * self.tensor_parallel_size
+        return (global_rank - self.data_parallel_start_rank * self.tensor_parallel_size
+                - self.node_rank * self.tp_ranks_local)
 
     @property
     def replicas_synchronise(self) -> bool:
@@ -500,6 +516,12 @@ class EngineArgs:
     data_parallel_start_rank: int = 0
     data_parallel_address: str | None = None  # None: 127.0.0.1
     data_parallel_rpc_port: int = 29550
+    # TP across nodes (vLLM's names): node 0 runs the engine, nodes 1.. only their worker ranks
+    # (ingot serve --headless). master_addr: node 0's address (required with nnodes > 1).
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int = 29501
     # None = DEFAULT_ASYNC_SCHEDULING; True/False force it.
     async_scheduling: bool | None = None
     # CPU compute threads: None = from the affinity mask, cgroup quota and OMP_NUM_THREADS /
@@ -647,11 +669,22 @@ class EngineArgs:
                 f"distributed_executor_backend {backend!r} is not supported; use "
                 f"{' or '.join(EXECUTOR_BACKENDS)}"
             )
-        if tp > 1 and backend != "mp":
+        if tp > 1 and backend == "uni":
             raise ValueError(
                 f"tensor_parallel_size {tp} runs one worker process per rank: use "
-                "--distributed-executor-backend mp (the default with several ranks)"
+                "--distributed-executor-backend mp (the default with several ranks) or ray"
             )
+        if backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValueError(
+                "distributed_executor_backend ray needs Ray, which is not installed: "
+                "pip install 'ingot[ray]' (or use --distributed-executor-backend mp)"
+            )
+        if backend == "ray" and self.data_parallel_size > 1:
+            raise ValueError(
+                "distributed_executor_backend ray is not supported with data_parallel_size > 1 "
+                "yet; use --distributed-executor-backend mp"
+            )
+        self._check_nodes(tp, backend)
         structured_outputs = StructuredOutputsConfig.from_dict(
             self._json_arg("structured_outputs_config", self.structured_outputs_config)
         )
@@ -667,7 +700,7 @@ class EngineArgs:
 
             bind = self.cpu_threads_bind or os.environ.get(BIND_ENV, "")
             local = self._data_parallel_local()
-            world = tp * local  # the ranks on this node
+            world = tp // self.nnodes * local  # the ranks on this node
             if world > 1 and "|" in bind:  # one list per rank (worker.rank_thread_config)
                 what = "--cpu-threads-bind" if self.cpu_threads_bind else BIND_ENV
                 for part in rank_bind_lists(bind, world, what):
@@ -734,6 +767,8 @@ class EngineArgs:
                 data_parallel_start_rank=self.data_parallel_start_rank,
                 data_parallel_address=self.data_parallel_address or "127.0.0.1",
                 data_parallel_rpc_port=self.data_parallel_rpc_port,
+                nnodes=self.nnodes, node_rank=self.node_rank,
+                master_addr=self.master_addr or "127.0.0.1", master_port=self.master_port,
                 enable_expert_parallel=bool(self.enable_expert_parallel),
                 # Default ep_degree: the world (TP x DP).
                 ep_degree=(additional_config.get("ep_degree") or tp * self.data_parallel_size)
@@ -786,6 +821,44 @@ class EngineArgs:
                 f"{dp}) or drop --enable-expert-parallel"
             )
         return local
+
+    def _check_nodes(self, tp: int, backend: str) -> None:
+        """TP across nodes (--nnodes, --node-rank, --master-addr, --master-port)."""
+        nnodes, node = self.nnodes, self.node_rank
+        if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1:
+            raise ValueError(f"nnodes must be an integer >= 1, got {nnodes!r}")
+        if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < nnodes:
+            raise ValueError(f"node_rank must be from 0 to nnodes - 1 ({nnodes - 1}), got "
+                             f"{node!r}")
+        if nnodes == 1:
+            return
+        if tp % nnodes:
+            raise ValueError(
+                f"tensor_parallel_size {tp} must be a multiple of nnodes {nnodes} (each node "
+                "runs tensor_parallel_size / nnodes ranks): change --tensor-parallel-size or "
+                "--nnodes"
+            )
+        if self.data_parallel_size > 1:
+            raise ValueError(
+                "--nnodes splits one TP group over nodes; with data_parallel_size > 1 place "
+                "whole replicas on nodes instead (--data-parallel-size-local, "
+                "--data-parallel-start-rank, --headless), or use --data-parallel-size 1"
+            )
+        if backend != "mp":
+            raise ValueError(
+                f"--nnodes is for the mp executor (distributed_executor_backend is {backend!r}): "
+                "use --distributed-executor-backend mp, or drop --nnodes (Ray places its "
+                "workers over its own cluster)"
+            )
+        if not self.master_addr:
+            raise ValueError(
+                "--nnodes > 1 needs --master-addr: node 0's address, which every node can "
+                "reach (its ranks meet there)"
+            )
+        port = self.master_port
+        if isinstance(port, bool) or not isinstance(port, int) or not 1024 <= port <= 65535 - tp:
+            raise ValueError(f"master_port must be from 1024 to {65535 - tp} (it and the next "
+                             f"{tp} ports are used), got {port!r}")
 
     def _replicas_synchronise(self) -> bool:
         return bool(self.enable_expert_parallel) and self.data_parallel_size > 1

@@ -70,7 +70,7 @@ def test_padding_never_writes_the_kv_cache(tiny_llama_dir, monkeypatch):
         out = original(so)
         real_slots = set()
         for it in so.scheduled:
-            blocks = runner.requests[it.req_id].block_ids
+            blocks = runner.input_batch.block_ids(it.req_id)
             for p in range(it.start_position, it.start_position + it.num_tokens):
                 real_slots.add(blocks[p // 16] * 16 + p % 16)
         for b, a in zip(before, runner.kv_caches, strict=True):

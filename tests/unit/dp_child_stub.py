@@ -12,7 +12,8 @@ import zmq
 
 def child(index: int, behaviour: dict, in_addr: str, out_addr: str, parent_pid: int,
           log_level: int) -> None:
-    """Answers its start-up, unless ``behaviour[index]`` says "hang" or "exit"."""
+    """Answers its start-up, unless ``behaviour[index]`` says "hang", "exit" or "hello" (says
+    it has connected, then hangs: a rank waiting in the rendezvous for another node's)."""
     what = behaviour.get(index, "answer")
     if what == "exit":
         os._exit(3)
@@ -21,5 +22,7 @@ def child(index: int, behaviour: dict, in_addr: str, out_addr: str, parent_pid: 
         return
     out = zmq.Context().socket(zmq.PUSH)
     out.connect(out_addr)
-    out.send(pickle.dumps((index, "ok", f"ready {index}")))
+    out.send(pickle.dumps((index, "hello", None)))
+    if what != "hello":
+        out.send(pickle.dumps((index, "ok", f"ready {index}")))
     time.sleep(60)  # alive until the test stops it

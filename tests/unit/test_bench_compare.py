@@ -162,7 +162,7 @@ def test_parse_batch_sizes():
 def test_contended_section_has_its_own_markers_and_targets():
     machine = {"cpu": "Test CPU", "cores": 2, "flags": [], "mem_gib": 1.0}
     text = compare.render_section(_figures(), machine, ["x"], None, "2026-01-01", None,
-                                  contend=1)
+                                  condition=compare.Condition(contend=1))
     assert text.startswith(compare.CONTEND_START) and text.rstrip().endswith(compare.CONTEND_END)
     assert "1 competing CPU-bound process" in text
     # the contention targets: single 1.60x against >= 1.5x, offline 1.60x against >= 1.3x
@@ -196,3 +196,70 @@ def test_contended_runner_wraps_each_process(tmp_path, monkeypatch):
     assert compare.contended(runner, 0) is runner
     compare.contended(runner, 2)(["a"], {}, tmp_path / "log")
     assert events == [("start", 2), ("run", "a"), ("stop", 2)]
+
+
+def test_cpu_limit_section_has_its_own_markers_and_only_the_single_target():
+    machine = {"cpu": "Test CPU", "cores": 2, "flags": [], "mem_gib": 1.0}
+    cond = compare.Condition(cpu_limit="taskset:0")
+    text = compare.render_section(_figures(), machine, ["x"], None, "2026-01-01", None,
+                                  condition=cond)
+    assert text.startswith("<!-- compare-limit-taskset:start -->")
+    assert text.rstrip().endswith("<!-- compare-limit-taskset:end -->")
+    assert "inside `taskset -c 0`" in text
+    assert re.search(r"\| single .*\| 1\.60x \| >= 1\.3x \| yes", text)
+    assert re.search(r"\| offline .*\| 1\.60x \| none \| n/a", text)
+    cgroup = compare.render_section(_figures(), machine, ["x"], None, "2026-01-01", None,
+                                    condition=compare.Condition(cpu_limit="cgroup:1"))
+    doc = compare.splice_section(compare.splice_section("# P\n", text), cgroup)
+    doc = compare.splice_section(doc, text.replace("Test CPU", "Other CPU"))
+    assert doc.count("compare-limit-taskset:start") == 1
+    assert doc.count("compare-limit-cgroup:start") == 1 and "Other CPU" in doc
+    with pytest.raises(ValueError, match="marker"):
+        compare.splice_section(doc, "## no marker\n")
+    with pytest.raises(ValueError, match="use one"):
+        compare.Condition(contend=1, cpu_limit="taskset:0")
+
+
+def test_parse_cpu_limit_forms_and_errors():
+    from ingot.benchmarks.cpu_limit import CpuLimit, parse_cpu_limit
+
+    assert parse_cpu_limit("taskset:0") == CpuLimit("taskset", cpus="0")
+    assert parse_cpu_limit("taskset:0-1,3").cpus == "0-1,3"
+    assert parse_cpu_limit("cgroup:1.5") == CpuLimit("cgroup", quota=1.5)
+    for bad, msg in [("taskset", "taskset:CPU-LIST"), ("taskset:a", "not a CPU list"),
+                     ("cgroup:x", "not a number"), ("cgroup:0", "between"),
+                     ("docker:1", "unknown kind")]:
+        with pytest.raises(ValueError, match=msg):
+            parse_cpu_limit(bad)
+
+
+def test_cgroup_limit_writes_the_quota_and_removes_the_group(tmp_path):
+    from ingot.benchmarks.cpu_limit import CpuLimit, cpu_limited
+
+    (tmp_path / "cpu").mkdir()  # a cgroup v1 tree: the cpu controller's directory
+    with cpu_limited(CpuLimit("cgroup", quota=1.0), root=str(tmp_path)) as prefix:
+        (group,) = (tmp_path / "cpu").iterdir()
+        assert (group / "cpu.cfs_quota_us").read_text() == "100000"
+        assert (group / "cpu.cfs_period_us").read_text() == "100000"
+        assert prefix[:2] == ["sh", "-c"] and str(group / "cgroup.procs") in prefix[2]
+        for f in group.iterdir():  # (a real cgroup's files vanish with it)
+            f.unlink()
+    assert list((tmp_path / "cpu").iterdir()) == []
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cgroup.controllers").write_text("cpu\n")
+    with cpu_limited(CpuLimit("cgroup", quota=0.5), root=str(v2)):
+        (group,) = [p for p in v2.iterdir() if p.is_dir()]
+        assert (group / "cpu.max").read_text() == "50000 100000"
+
+
+def test_limited_runner_prefixes_each_process(tmp_path):
+    seen = []
+
+    def runner(cmd, env, log):
+        seen.append(cmd)
+        return 0, ""
+
+    assert compare.limited(runner, None) is runner
+    compare.limited(runner, "taskset:0")(["a", "b"], {}, tmp_path / "log")
+    assert seen == [["taskset", "-c", "0", "a", "b"]]

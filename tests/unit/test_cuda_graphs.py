@@ -33,7 +33,8 @@ def fake_capture(run):
 
 
 ENGINE = dict(dtype="float32", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64,
-              block_size=8, device="cpu")
+              block_size=8, device="cpu",
+              kv_cache_memory_bytes=32 * 2**20)  # (not the free memory of a busy machine)
 
 
 def _requests(n: int, seed: int):

@@ -33,12 +33,14 @@ class GroupCoordinator:
             raise ValueError("a group of several ranks needs a process group")
         self.shm: ShmCommunicator | None = None
 
-    def enable_shm(self, slot_bytes: int | None = None, timeout_s: float = 600.0) -> bool:
+    def enable_shm(self, slot_bytes: int | None = None, timeout_s: float = 600.0,
+                   node: int = 0) -> bool:
         """Set up the shared-memory path (a collective: every rank of the group calls it);
-        returns whether it is on, the same on every rank."""
+        returns whether it is on, the same on every rank. ``node``: this rank's node index
+        (--node-rank); ranks of several nodes keep to torch.distributed."""
         if self.world_size > 1 and self.shm is None:
             self.shm = ShmCommunicator.create(self.device_group, self.ranks, self.rank_in_group,
-                                              self.backend, slot_bytes, timeout_s)
+                                              self.backend, slot_bytes, timeout_s, node)
         return self.shm is not None
 
     def _shm_for(self, x: torch.Tensor) -> ShmCommunicator | None:

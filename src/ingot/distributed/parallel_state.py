@@ -39,20 +39,24 @@ def backend_for(device: torch.device) -> str:
 
 def init_distributed(world_size: int, rank: int, init_method: str, tp_size: int,
                      device: torch.device, timeout_s: float = 600.0,
-                     ep_size: int = 1, sequence_parallel: bool = False) -> GroupCoordinator:
+                     ep_size: int = 1, sequence_parallel: bool = False,
+                     node_rank: int = 0) -> GroupCoordinator:
     """Join the world (``init_method`` is tcp://host:port or file://path) and build the TP
     groups, and the DP column groups when the world spans several replicas (world > TP:
     expert parallelism across them); returns this rank's TP group. ``ep_size``: the MoE
     layers' expert-parallel degree (within a replica they re-read the TP group, so no group of
-    their own is needed: one all-reduce over TP sums every partial)."""
+    their own is needed: one all-reduce over TP sums every partial). ``node_rank``: the node
+    this rank runs on (TP across nodes): ranks of different nodes never share memory, even
+    when the "nodes" are processes of one host."""
     global _TP, _WORLD, _EP_SIZE, _DP, _SEQUENCE_PARALLEL
     _EP_SIZE = ep_size
     _SEQUENCE_PARALLEL = sequence_parallel
     backend = backend_for(device)
-    if (backend == "gloo" and init_method.startswith("file://")
+    if (backend == "gloo" and init_method.startswith(("file://", "tcp://127.", "tcp://localhost:"))
             and "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo")):
-        # A file rendezvous means every rank is on this host: talk over loopback rather than
-        # whatever address the hostname resolves to (unreachable in some containers).
+        # A file (or loopback) rendezvous means every rank is on this host: talk over loopback
+        # rather than whatever address the hostname resolves to (unreachable in some
+        # containers). Across hosts, GLOO_SOCKET_IFNAME names the interface.
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method=init_method, world_size=world_size,
@@ -67,7 +71,7 @@ def init_distributed(world_size: int, rank: int, init_method: str, tp_size: int,
             mine = GroupCoordinator(ranks, rank, group, backend)
     assert mine is not None
     # Ranks on this host all-reduce through shared memory (gloo between hosts; shm_comm.py).
-    mine.enable_shm(timeout_s=timeout_s)
+    mine.enable_shm(timeout_s=timeout_s, node=node_rank)
     _TP = mine
     _DP = None
     if world_size > tp_size:

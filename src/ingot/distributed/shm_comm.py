@@ -61,6 +61,12 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+def node_identity(node: int = 0) -> str:
+    """This host, and the node index it plays (--node-rank): two "nodes" on one host (tests,
+    or containers sharing /dev/shm) must still keep apart, as real ones have to."""
+    return f"{host_identity()}#node{node}"
+
+
 def shm_supported(backend: str) -> str | None:
     """None when this process may use the path, else why not (for the log line)."""
     if os.environ.get(ENABLE_ENV, "1").strip() == "0":
@@ -134,14 +140,16 @@ class ShmCommunicator:
 
     @classmethod
     def create(cls, device_group: dist.ProcessGroup, ranks: Sequence[int], rank_in_group: int,
-               backend: str, slot_bytes: int | None = None,
-               timeout_s: float = 600.0) -> ShmCommunicator | None:
+               backend: str, slot_bytes: int | None = None, timeout_s: float = 600.0,
+               node: int = 0) -> ShmCommunicator | None:
         """The segment for this group, or None (every rank returns the same) when a rank is
-        on another host, the platform does not allow it, or the segment cannot be made."""
+        on another host or node (``node``: --node-rank; two "nodes" on one host still keep
+        apart), the platform does not allow it, or the segment cannot be made. The hosts are
+        compared before any segment exists, so no rank ever opens another host's."""
         world_size = len(ranks)
         reason = shm_supported(backend)
         slot = slot_bytes if slot_bytes is not None else slot_bytes_from_env()
-        mine = (reason, host_identity(), os.getpid())
+        mine = (reason, node_identity(node), os.getpid())
         everyone: list = [None] * world_size
         dist.all_gather_object(everyone, mine, group=device_group)
         why = decline_reason(everyone)

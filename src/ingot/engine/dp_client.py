@@ -22,11 +22,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import multiprocessing
-import os
 import pickle
-import threading
-import time
 import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -42,20 +38,19 @@ from ingot.engine.sampling_params import SamplingParams
 from ingot.metrics.stats import BucketStats
 from ingot.worker.executor import RpcMethod
 from ingot.worker.multiproc_executor import (
+    HEARTBEAT_TIMEOUT_S,  # noqa: F401 - tests read it here
     STARTUP_TIMEOUT_S,
     ChildProcesses,
+    RemoteChildren,
     WorkerProcessError,
-    _watch_parent,
-    wait_started,
+    child_links,
+    run_remote_children,
 )
 
 logger = logging.getLogger("ingot")
 
 _POLL_S = 0.02  # how long step() waits for a replica's outputs before it returns
 _IDLE_POLL_S = 0.1  # how long an idle replica waits for a command
-HEARTBEAT_S = 1.0  # how often a --headless node reports its replicas
-#: A replica on another node silent this long (no output, no heartbeat) is taken as gone.
-HEARTBEAT_TIMEOUT_S = float(os.environ.get("INGOT_DP_HEARTBEAT_TIMEOUT_S", "10"))
 
 
 def replica_config(config: EngineConfig, dp_rank: int, init_method: str) -> EngineConfig:
@@ -73,25 +68,13 @@ def _engine_main(config: EngineConfig, dp_rank: int, in_addr: str, out_addr: str
     """One replica: an EngineCore and its step loop. Messages in: ``(kind, payload)``; out:
     ``(dp_rank, status, value)`` with status "ready", "outputs" (outputs, stats), "rpc"
     (call id, result), "error" (a traceback: the replica is gone)."""
-    logging.basicConfig(level=log_level,
-                        format=f"%(asctime)s %(levelname)s [dp {dp_rank}] %(message)s")
-    logging.getLogger("ingot").setLevel(log_level)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    ctx = zmq.Context()
-    inbox = ctx.socket(zmq.PULL)
-    inbox.connect(in_addr)
-    outbox = ctx.socket(zmq.PUSH)
-    outbox.connect(out_addr)
+    def rpc_error(status: str, value: Any, exc: Exception) -> tuple[str, Any]:
+        # An unpicklable RPC result fails that call, not the replica.
+        call_id = value[0] if status == "rpc" else None
+        return "rpc", (call_id, ("error", RuntimeError(f"result not picklable: {exc!r}")))
 
-    def reply(status: str, value: Any) -> None:
-        try:
-            message = pickle.dumps((dp_rank, status, value), protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as exc:  # noqa: BLE001 - an unpicklable RPC result must still answer
-            call_id = value[0] if status == "rpc" else None
-            message = pickle.dumps((dp_rank, "rpc", (call_id, (
-                "error", RuntimeError(f"result not picklable: {exc!r}")))))
-        outbox.send(message)
-
+    inbox, reply = child_links(dp_rank, f"dp {dp_rank}", in_addr, out_addr, parent_pid,
+                               log_level, rpc_error)
     try:
         from ingot.engine.core import EngineCore
         from ingot.engine.tokenizer import load_tokenizer
@@ -197,39 +180,12 @@ def remote_addresses(parallel: Any) -> tuple[str, Callable[[int], str]]:
     return f"tcp://{host}:{port}", lambda r: f"tcp://{host}:{port + r}"
 
 
-class RemoteReplicas:
-    """The replicas of other nodes (each node's ``ingot serve --headless`` launcher spawns its
-    own and reports their health every ``HEARTBEAT_S``): their sockets, bound here over TCP."""
-
-    def __init__(self, parallel: Any, ranks: range) -> None:
-        self._ctx = zmq.Context()
-        out, inbox = remote_addresses(parallel)
-        self.results = self._ctx.socket(zmq.PULL)
-        self.inboxes: dict[int, zmq.Socket] = {}
-        try:
-            self.results.bind(out)
-            for r in ranks:
-                self.inboxes[r] = self._ctx.socket(zmq.PUSH)
-                self.inboxes[r].bind(inbox(r))
-        except zmq.ZMQError as exc:
-            self.close()
-            raise ValueError(
-                f"cannot listen for the other nodes' replicas on {out} and the next "
-                f"{len(ranks)} ports ({exc}); choose another --data-parallel-rpc-port or "
-                "--data-parallel-address (an address of this node)"
-            ) from None
-        self.last_seen = dict.fromkeys(ranks, time.monotonic())
-
-    def dead_child(self) -> str | None:
-        now = time.monotonic()
-        for r, seen in self.last_seen.items():
-            if now - seen > HEARTBEAT_TIMEOUT_S:
-                return (f"data-parallel rank {r} (on another node) sent nothing for "
-                        f"{HEARTBEAT_TIMEOUT_S:.0f} s")
-        return None
-
-    def close(self) -> None:
-        self._ctx.destroy(linger=0)
+def RemoteReplicas(parallel: Any, ranks: range) -> RemoteChildren:  # noqa: N802 - a class's role
+    """The replicas of other nodes (``ingot serve --headless``): their sockets, bound here at
+    ``--data-parallel-address`` from ``--data-parallel-rpc-port``."""
+    return RemoteChildren(*remote_addresses(parallel), ranks, "data-parallel rank",
+                          "--data-parallel-rpc-port or --data-parallel-address (an address of "
+                          "this node)")
 
 
 def run_headless(config: EngineConfig) -> int:
@@ -240,41 +196,9 @@ def run_headless(config: EngineConfig) -> int:
     parallel = config.parallel_config
     out, inbox = remote_addresses(parallel)
     first = parallel.data_parallel_start_rank
-    ranks = range(first, first + parallel.local_replicas)
-    spawn = multiprocessing.get_context("spawn")
-    level = logging.getLogger("ingot").getEffectiveLevel()
-    procs = {r: spawn.Process(target=_engine_main,
-                              args=(replica_config(config, r, ""), r, inbox(r), out, os.getpid(),
-                                    level), name=f"ingot-data-parallel-rank-{r}")
-             for r in ranks}
-    for proc in procs.values():
-        proc.start()
-    logger.info("headless: data-parallel ranks %s for the API server at %s", list(ranks), out)
-    ctx = zmq.Context()
-    beat = ctx.socket(zmq.PUSH)
-    beat.connect(out)
-    try:
-        while True:
-            running = 0
-            for r, proc in procs.items():
-                if proc.is_alive():
-                    running += 1
-                    beat.send(pickle.dumps((r, "alive", None)))
-                elif proc.exitcode != 0:
-                    beat.send(pickle.dumps((r, "error", f"exited with code {proc.exitcode}")))
-                    logger.error("data-parallel rank %d exited with code %s", r, proc.exitcode)
-                    return 1
-            if running == 0:
-                return 0
-            time.sleep(HEARTBEAT_S)
-    except KeyboardInterrupt:
-        return 0
-    finally:
-        for proc in procs.values():
-            if proc.is_alive():
-                proc.terminate()
-            proc.join(timeout=10)
-        ctx.destroy(linger=1000)
+    return run_remote_children(_engine_main, range(first, first + parallel.local_replicas),
+                               lambda r: (replica_config(config, r, ""), r), out, inbox,
+                               "data-parallel rank")
 
 
 class DPEngineCoreClient:
@@ -294,20 +218,18 @@ class DPEngineCoreClient:
                 "API server's node runs the replicas from rank 0: drop it here"
             )
         self.num_local = parallel.local_replicas
-        self._remote: RemoteReplicas | None = None
         self._children = ChildProcesses(
-            self.num_local, _engine_main, lambda r, init: (replica_config(config, r, init), r),
-            "data-parallel rank", "ingot-dp-")
+            self.dp_size, _engine_main, lambda r, init: (replica_config(config, r, init), r),
+            "data-parallel rank", "ingot-dp-", local=self.num_local,
+            remote=lambda: RemoteReplicas(parallel, range(self.num_local, self.dp_size)),
+            hint=lambda missing: " (the ranks of other nodes start with ingot serve --headless)"
+            if any(r >= self.num_local for r in missing) else "")
         try:
-            if self.num_local < self.dp_size:
-                self._remote = RemoteReplicas(parallel, range(self.num_local, self.dp_size))
-            self._poller = zmq.Poller()
-            for sock in (self._children.results, self._remote and self._remote.results):
-                if sock is not None:
-                    self._poller.register(sock, zmq.POLLIN)
-            self._stats = self._wait_started(STARTUP_TIMEOUT_S)
+            # Every replica's first stats, rank order; one that fails, exits or stays silent
+            # is named by its rank (as the executor's workers are).
+            self._stats = self._children.wait_started(STARTUP_TIMEOUT_S)
         except BaseException:
-            self._close_links()
+            self._children.close()
             raise
         logger.info("data parallelism: %d engine-core processes started (%d on this node)",
                     self.dp_size, self.num_local)
@@ -331,11 +253,7 @@ class DPEngineCoreClient:
         self._send_raw(rank, pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL))
 
     def _send_raw(self, rank: int, message: bytes, flags: int = 0) -> None:
-        if rank < self.num_local:
-            self._children.send(rank, message, flags)
-        else:
-            assert self._remote is not None
-            self._remote.inboxes[rank].send(message, flags)
+        self._children.send(rank, message, flags)
 
     def add_request(self, request: Request) -> None:
         rank = self.balancer.pick()
@@ -364,7 +282,7 @@ class DPEngineCoreClient:
     def _receive(self, timeout_s: float, check: bool = True) -> bool:
         """Take one message (waiting up to ``timeout_s``); False if none came. A replica that
         failed or exited raises, naming its rank."""
-        message = self._recv(timeout_s)
+        message = self._children.recv(timeout_s)
         if message is None:
             if check:
                 self.check_health()
@@ -385,37 +303,6 @@ class DPEngineCoreClient:
             self._dead = f"data-parallel rank {rank} failed"
             raise WorkerProcessError(f"data-parallel rank {rank} failed:\n{value}")
         return True
-
-    def _recv(self, timeout_s: float) -> tuple[int, str, Any] | None:
-        """The next message of any replica (heartbeats of other nodes' replicas are taken
-        here), or None after ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            events = dict(self._poller.poll(int(max(deadline - time.monotonic(), 0) * 1000)))
-            if not events:
-                return None
-            sock = next(iter(events))
-            rank, status, value = pickle.loads(sock.recv())
-            if self._remote is not None and rank in self._remote.last_seen:
-                self._remote.last_seen[rank] = time.monotonic()
-            if status != "alive":
-                return rank, status, value
-
-    def _wait_started(self, timeout_s: float) -> list[dict[str, Any]]:
-        """Every replica's first stats, rank order; a replica that fails, exits or stays
-        silent for ``timeout_s`` is named by its rank (as the executor's workers are)."""
-        hint = (" (the ranks of other nodes start with ingot serve --headless)"
-                if self._remote is not None else "")
-        stats = wait_started(self.dp_size, self._recv, self._children.dead_child, timeout_s,
-                             "data-parallel rank", hint)
-        if self._remote is not None:  # from now on their launchers' heartbeats count
-            self._remote.last_seen = dict.fromkeys(self._remote.last_seen, time.monotonic())
-        return stats
-
-    def _close_links(self) -> None:
-        self._children.close()
-        if self._remote is not None:
-            self._remote.close()
 
     def step(self) -> list[EngineCoreOutput]:
         """The outputs the replicas sent since the last call (waiting briefly for some)."""
@@ -457,7 +344,7 @@ class DPEngineCoreClient:
         # Take what arrived (other nodes' heartbeats among it; outputs wait for step()).
         while self._receive(0, check=False):
             pass
-        dead = self._children.dead_child() or (self._remote and self._remote.dead_child())
+        dead = self._children.dead_child()
         if dead:
             self._dead = dead
             raise WorkerProcessError(dead)
@@ -504,4 +391,4 @@ class DPEngineCoreClient:
             for proc in self._children.procs:
                 if proc.is_alive():
                     proc.terminate()
-        self._close_links()
+        self._children.close()

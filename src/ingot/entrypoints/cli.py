@@ -63,9 +63,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", default=None,
                    help='JSON object, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' '
                    "(docs/configuration.md)")
-    g.add_argument("--distributed-executor-backend", choices=["uni", "mp"], default=None,
+    g.add_argument("--distributed-executor-backend", choices=["uni", "mp", "ray"], default=None,
                    help="uni: the worker runs in the engine's process (default for one "
-                   "worker); mp: in child processes, one per rank (default for several)")
+                   "worker); mp: in child processes, one per rank (default for several); ray: "
+                   "in Ray actors (pip install 'ingot[ray]')")
     par = parser.add_argument_group("parallelism (docs/parallelism.md)")
     par.add_argument("-tp", "--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
                      help="ranks that split each layer (one worker process each)")
@@ -83,6 +84,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     par.add_argument("--data-parallel-rpc-port", type=int, default=d.data_parallel_rpc_port,
                      help="the first of the ports (one plus one per replica) at that address "
                      "(default: %(default)s)")
+    par.add_argument("--nnodes", type=int, default=d.nnodes,
+                     help="nodes one TP group spans (mp executor): each runs "
+                     "tensor-parallel-size / nnodes ranks (default: %(default)s)")
+    par.add_argument("--node-rank", type=int, default=d.node_rank,
+                     help="this node's index; node 0 runs the engine, the others only their "
+                     "ranks, under ingot serve --headless (default: %(default)s)")
+    par.add_argument("--master-addr", default=None,
+                     help="node 0's address, where every node's ranks meet (required with "
+                     "--nnodes > 1)")
+    par.add_argument("--master-port", type=int, default=d.master_port,
+                     help="torch.distributed's port at --master-addr; node 0's executor "
+                     "listens on the next tensor-parallel-size ports (default: %(default)s)")
     par.add_argument("-pp", "--pipeline-parallel-size", type=int,
                      default=d.pipeline_parallel_size, help="(not supported: only 1)")
     par.add_argument("--enable-expert-parallel", action="store_true",
@@ -351,19 +364,40 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     )
 
 
-def _serve_headless(ns: argparse.Namespace) -> int:
-    """``serve --headless``: this node's data-parallel replicas, no API server."""
-    from ingot.engine.dp_client import run_headless
-
-    args = engine_args_from(ns)
+def check_headless(args: EngineArgs) -> str:
+    """What ``serve --headless`` runs here: "workers" (a TP node other than node 0) or
+    "replicas" (data-parallel replicas of a node other than the API server's)."""
+    if args.nnodes > 1:
+        if args.node_rank < 1:
+            raise ValueError(
+                "--headless with --nnodes runs a node other than node 0 (which runs the engine "
+                "and the API server, without --headless): give --node-rank R (>= 1)"
+            )
+        return "workers"
     if args.data_parallel_size < 2 or args.data_parallel_start_rank < 1:
         raise ValueError(
-            "--headless runs the replicas of a node other than the API server's: give "
+            "--headless runs the ranks of a node other than the API server's: give "
+            "--nnodes N --node-rank R (>= 1) with --master-addr (TP across nodes), or "
             "--data-parallel-size N (> 1) and --data-parallel-start-rank R (>= 1, the first "
             "replica here), with --data-parallel-address and --data-parallel-rpc-port of the "
             "API server's node"
         )
-    return run_headless(args.create_engine_config())
+    return "replicas"
+
+
+def _serve_headless(ns: argparse.Namespace) -> int:
+    """``serve --headless``: this node's worker ranks or data-parallel replicas, no API
+    server."""
+    args = engine_args_from(ns)
+    what = check_headless(args)
+    config = args.create_engine_config()
+    if what == "workers":
+        from ingot.worker.multiproc_executor import run_headless_workers
+
+        return run_headless_workers(config)
+    from ingot.engine.dp_client import run_headless
+
+    return run_headless(config)
 
 
 def chat_options_from(ns: argparse.Namespace) -> Any:
@@ -467,7 +501,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "/health, /version and /metrics "
                      "(default: $INGOT_API_KEY if set, else no key)")
     srv.add_argument("--headless", action="store_true",
-                     help="no API server: run this node's data-parallel replicas "
+                     help="no API server: run this node's worker ranks (--nnodes, --node-rank) "
+                     "for node 0 at --master-addr, or its data-parallel replicas "
                      "(--data-parallel-start-rank, --data-parallel-size-local) for the server "
                      "at --data-parallel-address")
     srv.add_argument("--max-request-body-bytes", type=int, default=8 * 2**20,

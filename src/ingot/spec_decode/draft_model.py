@@ -18,7 +18,7 @@ are deterministic (q is one-hot for the rejection sampler).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -61,9 +61,11 @@ class DraftModelProposer:
         return greedy_argmax(self.model.compute_logits(hidden)).tolist()
 
     @torch.inference_mode()
-    def propose(self, requests: Sequence[tuple[str, Any]]) -> list[list[int]]:
+    def propose(self, requests: Sequence[tuple[str, Any]],
+                block_ids: Callable[[str], list[int]]) -> list[list[int]]:
         """Drafts for each (req_id, state) whose tokens are ``state.prompt_token_ids +
-        state.output_token_ids`` (the last one sampled, not yet computed by the target)."""
+        state.output_token_ids`` (the last one sampled, not yet computed by the target);
+        ``block_ids(req_id)``: the request's KV blocks (shared with the target's)."""
         work = []  # (index, tokens, first uncomputed position, drafts wanted, blocks)
         for i, (req_id, state) in enumerate(requests):
             tokens = state.prompt_token_ids + state.output_token_ids
@@ -73,7 +75,7 @@ class DraftModelProposer:
                 continue
             valid = _common_prefix(self._tokens.get(req_id, []), tokens,
                                    min(self._computed.get(req_id, 0), total - 1))
-            work.append((i, req_id, tokens, valid, k, state.block_ids))
+            work.append((i, req_id, tokens, valid, k, block_ids(req_id)))
         drafts: list[list[int]] = [[] for _ in requests]
         if not work:
             return drafts

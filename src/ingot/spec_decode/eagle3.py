@@ -17,7 +17,7 @@ which covers exactly the positions the target has confirmed since.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +34,7 @@ class StepRows:
     its hidden states, at positions ``first_position``... (those it kept)."""
 
     req_id: str
-    state: Any  # the runner's CachedRequestState (tokens after this step's, block ids)
+    state: Any  # the runner's CachedRequestState (tokens after this step's)
     first_row: int
     first_position: int
     num_rows: int
@@ -54,10 +54,11 @@ class Eagle3Proposer:
 
     @torch.inference_mode()
     def propose(self, requests: Sequence[tuple[str, Any]], step: list[StepRows],
-                aux: torch.Tensor) -> list[list[int]]:
+                aux: torch.Tensor, block_ids: Callable[[str], list[int]]) -> list[list[int]]:
         """Drafts for ``requests`` (those that sampled), after the target step ``step`` whose
-        auxiliary hidden states are ``aux`` [rows, 3 x hidden]. Every segment of the step runs
-        the initial pass (so the head's cache follows the target's)."""
+        auxiliary hidden states are ``aux`` [rows, 3 x hidden]; ``block_ids(req_id)``: the
+        request's KV blocks. Every segment of the step runs the initial pass (so the head's
+        cache follows the target's)."""
         drafts: list[list[int]] = [[] for _ in requests]
         if not step:
             return drafts
@@ -69,7 +70,7 @@ class Eagle3Proposer:
             positions += range(p0, p0 + seg.num_rows)
             rows += range(seg.first_row, seg.first_row + seg.num_rows)
         pos = torch.tensor(positions, dtype=torch.int64)
-        meta = drafter_metadata(pos, [s.num_rows for s in step], [s.state.block_ids for s in step],
+        meta = drafter_metadata(pos, [s.num_rows for s in step], [block_ids(s.req_id) for s in step],
                                 self.block_size, self.device, is_decode=False)
         state = aux[torch.tensor(rows, device=aux.device)]
         normed, prenorm = self.head(torch.tensor(ids, dtype=torch.int64, device=self.device),
@@ -95,7 +96,7 @@ class Eagle3Proposer:
             tokens, state = tokens[keep], state[keep]
             pos = torch.tensor([seg.first_position + seg.num_rows - 1 + j for _, seg, _ in live],
                                dtype=torch.int64)
-            meta = drafter_metadata(pos, [1] * len(live), [seg.state.block_ids for _, seg, _ in live],
+            meta = drafter_metadata(pos, [1] * len(live), [block_ids(seg.req_id) for _, seg, _ in live],
                                     self.block_size, self.device, is_decode=True)
             normed, state = self.head(tokens, pos.to(self.device), self.kv_caches, meta, state)
             tokens = self._draft(normed)

@@ -1,6 +1,6 @@
 """Executors run the model on one or more workers. The engine core talks to workers only
 through this interface (``initialize``, ``execute_model``, ``collective_rpc``, ``shutdown``),
-so the uniprocess and multiprocess executors are interchangeable.
+so the uniprocess, multiprocess and Ray executors are interchangeable.
 
 ``collective_rpc(method, args)`` calls a Worker method by name on every worker, or a
 module-level function ``fn(worker, *args)`` (the multiprocess executor pickles it by
@@ -48,6 +48,10 @@ class Executor(ABC):
             from ingot.worker.multiproc_executor import MultiprocExecutor
 
             return MultiprocExecutor
+        if backend == "ray":
+            from ingot.worker.ray_executor import RayExecutor
+
+            return RayExecutor
         return UniProcExecutor
 
     def initialize(self) -> int:

@@ -67,14 +67,7 @@ class CachedRequestState:
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     prompt_embeds: torch.Tensor | None = None  # [prompt_len, hidden] (replaces token ids)
-    #: The input batch that holds the request's row (its block ids live there).
-    batch: InputBatch | None = field(default=None, repr=False)
-    req_id: str = ""
-
-    @property
-    def block_ids(self) -> list[int]:
-        assert self.batch is not None
-        return self.batch.block_ids(self.req_id)
+    # (Its block ids live in the input batch's row, their one owner.)
 
     def token_ids(self, start: int, n: int) -> list[int]:
         """Tokens at positions [start, start + n) of prompt + sampled tokens."""
@@ -237,7 +230,7 @@ class ModelRunner:
                 self.pooler.add_request(new.req_id, p.task or "embed", bool(p.normalize),
                                         p.dimensions, p.activation is not False)
                 self.requests[new.req_id] = CachedRequestState(
-                    None, list(new.prompt_token_ids), batch=batch, req_id=new.req_id)
+                    None, list(new.prompt_token_ids))
                 batch.add(new.req_id)
                 continue
             assert new.sampling_params is not None
@@ -247,7 +240,7 @@ class ModelRunner:
                 generator.manual_seed(new.sampling_params.seed)
             self.requests[new.req_id] = CachedRequestState(
                 new.sampling_params, list(new.prompt_token_ids), generator=generator,
-                prompt_embeds=new.prompt_embeds, batch=batch, req_id=new.req_id,
+                prompt_embeds=new.prompt_embeds,
             )
             batch.add(new.req_id)
         for it in so.scheduled:
@@ -500,7 +493,9 @@ class ModelRunner:
                     for it, last in zip(so.scheduled, last_rows, strict=True)]
             aux = self.model.model.aux_hidden_states
             assert aux is not None, "the target left no auxiliary hidden states"
-            return proposer.propose(wanted, step, aux)
+            return proposer.propose(wanted, step, aux, self.input_batch.block_ids)
+        if isinstance(proposer, DraftModelProposer):
+            return proposer.propose(wanted, self.input_batch.block_ids)
         return proposer.propose(wanted)
 
     def _sampling_metadata(

@@ -8,6 +8,12 @@ is collected when its result is needed, after those before it. A worker that rai
 replies with the error, which the parent re-raises (the engine then fails the in-flight
 requests); a worker process that dies is noticed within ``_POLL_S`` while waiting, and by
 ``check_health`` between steps. Children watch their parent and exit if it disappears.
+
+TP across nodes (``--nnodes``): node 0's executor spawns its own ranks as above and binds TCP
+sockets (``--master-port`` + 1 and after) for the other nodes' ranks, which each node's
+``ingot serve --headless`` launcher spawns (``run_headless_workers``); they join
+torch.distributed at ``tcp://--master-addr:--master-port``. The same remote children and
+launcher carry the data-parallel replicas of other nodes (engine/dp_client.py).
 """
 
 from __future__ import annotations
@@ -41,6 +47,9 @@ _POLL_S = 0.1
 _SHUTDOWN = "__shutdown__"
 #: Seconds a rank may take to start (import, load the model) before it is reported missing.
 STARTUP_TIMEOUT_S = float(os.environ.get("INGOT_WORKER_STARTUP_TIMEOUT_S", "600"))
+HEARTBEAT_S = 1.0  # how often a --headless node reports its children
+#: A child on another node silent this long (no reply, no heartbeat) is taken as gone.
+HEARTBEAT_TIMEOUT_S = float(os.environ.get("INGOT_DP_HEARTBEAT_TIMEOUT_S", "10"))
 
 
 class WorkerProcessError(IngotError, RuntimeError):
@@ -54,11 +63,20 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(1.0)
 
 
-def _worker_main(
-    config: EngineConfig, rank: int, distributed_init_method: str | None, in_addr: str,
-    out_addr: str, parent_pid: int, log_level: int,
-) -> None:
-    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [rank {rank}] %(message)s")
+def _unpicklable(status: str, value: Any, exc: Exception) -> tuple[str, Any]:
+    return "error", f"result not picklable: {exc!r}"
+
+
+def child_links(
+    index: int, label: str, in_addr: str, out_addr: str, parent_pid: int, log_level: int,
+    unpicklable: Callable[[str, Any, Exception], tuple[str, Any]] = _unpicklable,
+) -> tuple[zmq.Socket, Callable[[str, Any], None]]:
+    """The preamble of a ``ChildProcesses`` child: logging tagged ``[label]``, the parent-death
+    watch, and its two sockets. Returns (the inbox to receive calls on, ``reply(status,
+    value)``, which sends ``(index, status, value)``). A value that does not pickle is replaced
+    by ``unpicklable(status, value, exc)``'s (status, value): the parent must still get an
+    answer, or it would wait for one forever."""
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [{label}] %(message)s")
     logging.getLogger("ingot").setLevel(log_level)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     ctx = zmq.Context()
@@ -69,10 +87,22 @@ def _worker_main(
 
     def reply(status: str, value: Any) -> None:
         try:
-            outbox.send(pickle.dumps((rank, status, value), protocol=pickle.HIGHEST_PROTOCOL))
-        except Exception as exc:  # noqa: BLE001 - an unpicklable result must still answer
-            outbox.send(pickle.dumps((rank, "error", f"result not picklable: {exc!r}")))
+            message = pickle.dumps((index, status, value), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            message = pickle.dumps((index, *unpicklable(status, value, exc)))
+        outbox.send(message)
 
+    return inbox, reply
+
+
+def _worker_main(
+    config: EngineConfig, rank: int, distributed_init_method: str | None, in_addr: str,
+    out_addr: str, parent_pid: int, log_level: int,
+) -> None:
+    inbox, reply = child_links(rank, f"rank {rank}", in_addr, out_addr, parent_pid, log_level)
+    # Connected: the start-up wait can tell a rank that is loading (or waiting in the
+    # rendezvous for others) from one that never came (another node not launched).
+    reply("hello", None)
     try:
         from ingot.worker.worker import Worker
 
@@ -107,12 +137,15 @@ def _cleanup(procs: list[Any], ctx: zmq.Context, tmpdir: str) -> None:
 
 def wait_started(count: int, recv: Callable[[float], tuple[int, str, Any] | None],
                  dead_child: Callable[[], str | None], timeout_s: float, kind: str,
-                 hint: str = "") -> list[Any]:
+                 hint: Callable[[list[int]], str] = lambda missing: "") -> list[Any]:
     """The first reply of each of ``count`` children (their start-up), in index order. A child
     that fails (an "error" reply), exits (``dead_child``) or stays silent for ``timeout_s`` is
-    named by its index (``kind``: "worker rank", "data-parallel rank"); ``hint`` follows the
-    names of the silent ones."""
+    named by its index (``kind``: "worker rank", "data-parallel rank"). A child may say
+    "hello" first (connected, still starting): the silent ones are then those that never
+    connected (another node's ranks waiting for a launch), which ``hint(indices)`` follows,
+    rather than every rank stuck waiting for them."""
     replies: dict[int, Any] = {}
+    connected: set[int] = set()
     deadline = time.monotonic() + timeout_s
     while len(replies) < count:
         message = recv(_POLL_S)
@@ -120,16 +153,100 @@ def wait_started(count: int, recv: Callable[[float], tuple[int, str, Any] | None
             i, status, value = message
             if status == "error":
                 raise WorkerProcessError(f"{kind} {i} failed during start:\n{value}")
-            replies[i] = value
+            if status == "hello":
+                connected.add(i)
+            else:
+                replies[i] = value
             continue
         dead = dead_child()
         if dead is not None:
             raise WorkerProcessError(dead)
         if time.monotonic() > deadline:
             missing = sorted(set(range(count)) - set(replies))
-            raise WorkerProcessError(f"{kind}(s) {missing} did not start within "
-                                     f"{timeout_s:.0f} s{hint}")
+            silent = [i for i in missing if i not in connected] or missing
+            raise WorkerProcessError(f"{kind}(s) {silent} did not start within "
+                                     f"{timeout_s:.0f} s{hint(silent)}")
     return [replies[i] for i in range(count)]
+
+
+class RemoteChildren:
+    """The children of other nodes (each node's ``ingot serve --headless`` launcher spawns its
+    own, ``run_remote_children``, and reports their health every ``HEARTBEAT_S``): their
+    sockets, bound here over TCP at ``results_addr`` and ``inbox_addr(i)``. ``flags``: what to
+    change when an address cannot be bound."""
+
+    def __init__(self, results_addr: str, inbox_addr: Callable[[int], str], indices: range,
+                 kind: str, flags: str) -> None:
+        self.kind = kind
+        self._ctx = zmq.Context()
+        self.results = self._ctx.socket(zmq.PULL)
+        self.inboxes: dict[int, zmq.Socket] = {}
+        try:
+            self.results.bind(results_addr)
+            for i in indices:
+                self.inboxes[i] = self._ctx.socket(zmq.PUSH)
+                self.inboxes[i].bind(inbox_addr(i))
+        except zmq.ZMQError as exc:
+            self.close()
+            raise ValueError(
+                f"cannot listen for the other nodes' {kind}s on {results_addr} and the next "
+                f"{len(indices)} ports ({exc}); choose another {flags}"
+            ) from None
+        self.last_seen = dict.fromkeys(indices, time.monotonic())
+
+    def dead_child(self) -> str | None:
+        now = time.monotonic()
+        for i, seen in self.last_seen.items():
+            if now - seen > HEARTBEAT_TIMEOUT_S:
+                return (f"{self.kind} {i} (on another node) sent nothing for "
+                        f"{HEARTBEAT_TIMEOUT_S:.0f} s")
+        return None
+
+    def close(self) -> None:
+        self._ctx.destroy(linger=0)
+
+
+def run_remote_children(target: Callable[..., None], indices: range,
+                        args: Callable[[int], tuple[Any, ...]], results_addr: str,
+                        inbox_addr: Callable[[int], str], kind: str) -> int:
+    """A ``--headless`` node's launcher: spawn ``target(*args(i), inbox_addr(i), results_addr,
+    ...)`` for each of ``indices`` (they connect to the head node over TCP), report their health
+    there every ``HEARTBEAT_S``, and return when they have all exited (the head shut them
+    down: 0); a child that dies is reported and stops the rest (1)."""
+    spawn = multiprocessing.get_context("spawn")
+    level = logging.getLogger("ingot").getEffectiveLevel()
+    procs = {i: spawn.Process(target=target,
+                              args=(*args(i), inbox_addr(i), results_addr, os.getpid(), level),
+                              name=f"ingot-{kind.replace(' ', '-')}-{i}")
+             for i in indices}
+    for proc in procs.values():
+        proc.start()
+    logger.info("headless: %ss %s for the head node at %s", kind, list(indices), results_addr)
+    ctx = zmq.Context()
+    beat = ctx.socket(zmq.PUSH)
+    beat.connect(results_addr)
+    try:
+        while True:
+            running = 0
+            for i, proc in procs.items():
+                if proc.is_alive():
+                    running += 1
+                    beat.send(pickle.dumps((i, "alive", None)))
+                elif proc.exitcode != 0:
+                    beat.send(pickle.dumps((i, "error", f"exited with code {proc.exitcode}")))
+                    logger.error("%s %d exited with code %s", kind, i, proc.exitcode)
+                    return 1
+            if running == 0:
+                return 0
+            time.sleep(HEARTBEAT_S)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        for proc in procs.values():
+            if proc.is_alive():
+                proc.terminate()
+            proc.join(timeout=10)
+        ctx.destroy(linger=1000)
 
 
 class ChildProcesses:
@@ -138,12 +255,20 @@ class ChildProcesses:
     torch.distributed rendezvous file. Used for the TP workers of one engine core and for the
     engine cores of data parallelism (engine/dp_client.py). ``target(*args(i), in_addr,
     out_addr, parent_pid, log_level)`` runs in child ``i`` (``args(i, init_method)``: the
-    rendezvous below); children answer with pickled ``(index, status, value)`` tuples."""
+    rendezvous below); children answer with pickled ``(index, status, value)`` tuples.
+
+    Children ``local ..  count - 1`` (``remote``), when given, run on other nodes: their
+    launchers' heartbeats are taken here, and one silent for ``HEARTBEAT_TIMEOUT_S`` counts as
+    dead once they have all started."""
 
     def __init__(self, count: int, target: Callable[..., None],
-                 args: Callable[[int, str], tuple[Any, ...]], kind: str, prefix: str) -> None:
+                 args: Callable[[int, str], tuple[Any, ...]], kind: str, prefix: str,
+                 local: int | None = None, remote: Callable[[], RemoteChildren] | None = None,
+                 hint: Callable[[list[int]], str] = lambda missing: "") -> None:
         self.count = count
+        self.local = count if local is None else local
         self.kind = kind  # how errors name a child: "worker rank", "data-parallel rank"
+        self.hint = hint  # after the names of children that never connected
         self.tmpdir = tempfile.mkdtemp(prefix=prefix)
         self._ctx = zmq.Context()
         self.results = self._ctx.socket(zmq.PULL)
@@ -151,10 +276,23 @@ class ChildProcesses:
         self.results.bind(out_addr)
         self.inboxes = []
         self.procs: list[Any] = []
+        self.remote: RemoteChildren | None = None
+        self._started = False
         spawn = multiprocessing.get_context("spawn")
         level = logging.getLogger("ingot").getEffectiveLevel()
         self.finalizer = weakref.finalize(self, _cleanup, self.procs, self._ctx, self.tmpdir)
-        for i in range(count):
+        if self.local < count:
+            assert remote is not None
+            try:
+                self.remote = remote()
+            except BaseException:
+                self.close()
+                raise
+        self._poller = zmq.Poller()
+        for sock in (self.results, self.remote and self.remote.results):
+            if sock is not None:
+                self._poller.register(sock, zmq.POLLIN)
+        for i in range(self.local):
             sock = self._ctx.socket(zmq.PUSH)
             in_addr = f"ipc://{self.tmpdir}/in{i}"
             sock.bind(in_addr)
@@ -174,27 +312,49 @@ class ChildProcesses:
         return f"file://{self.tmpdir}/dist-init"
 
     def send(self, i: int, message: bytes, flags: int = 0) -> None:
-        self.inboxes[i].send(message, flags)
+        if i < self.local:
+            self.inboxes[i].send(message, flags)
+        else:
+            assert self.remote is not None
+            self.remote.inboxes[i].send(message, flags)
 
     def recv(self, timeout_s: float) -> tuple[int, str, Any] | None:
-        """The next reply, or None after ``timeout_s`` without one."""
-        if self.results.poll(int(timeout_s * 1000)):
-            return pickle.loads(self.results.recv())
-        return None
+        """The next reply, or None after ``timeout_s`` without one (other nodes' heartbeats
+        are taken here)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            events = dict(self._poller.poll(int(max(deadline - time.monotonic(), 0) * 1000)))
+            if not events:
+                return None
+            sock = next(iter(events))
+            i, status, value = pickle.loads(sock.recv())
+            if self.remote is not None and i in self.remote.last_seen:
+                self.remote.last_seen[i] = time.monotonic()
+            if status != "alive":
+                return i, status, value
 
     def dead_child(self) -> str | None:
         """A description of the first child that exited, else None."""
         for i, proc in enumerate(self.procs):
             if not proc.is_alive():
                 return f"{self.kind} {i} (pid {proc.pid}) exited with code {proc.exitcode}"
+        if self._started and self.remote is not None:
+            return self.remote.dead_child()
         return None
 
     def wait_started(self, timeout_s: float) -> list[Any]:
         """Each child's first reply (its start-up), in index order (``wait_started``)."""
-        return wait_started(self.count, self.recv, self.dead_child, timeout_s, self.kind)
+        replies = wait_started(self.count, self.recv, self.dead_child, timeout_s, self.kind,
+                               self.hint)
+        if self.remote is not None:  # from now on their launchers' heartbeats count
+            self.remote.last_seen = dict.fromkeys(self.remote.last_seen, time.monotonic())
+        self._started = True
+        return replies
 
     def close(self) -> None:
         self.finalizer()
+        if self.remote is not None:
+            self.remote.close()
 
 
 class _Reply(Future):
@@ -209,12 +369,63 @@ class _Reply(Future):
         return super().result(timeout)
 
 
+def node_addresses(parallel: Any) -> tuple[str, str, Callable[[int], str]]:
+    """TP across nodes: (the torch.distributed rendezvous, where node 0's executor takes the
+    replies, where it sends rank ``r``'s calls): ``--master-port`` and the ports after it."""
+    host, port = parallel.master_addr, parallel.master_port
+    return (f"tcp://{host}:{port}", f"tcp://{host}:{port + 1}",
+            lambda r: f"tcp://{host}:{port + 1 + r}")
+
+
+def _missing_nodes(parallel: Any) -> Callable[[list[int]], str]:
+    """The hint after the names of ranks that never connected: which nodes to launch."""
+    local = parallel.tp_ranks_local
+
+    def hint(ranks: list[int]) -> str:
+        nodes = sorted({r // local for r in ranks if r >= local})
+        if not nodes:
+            return ""
+        held = "; ".join(f"node {n} holds ranks {list(range(n * local, (n + 1) * local))}"
+                         for n in nodes)
+        return (f" ({held}: start each with ingot serve MODEL --tensor-parallel-size "
+                f"{parallel.tensor_parallel_size} --nnodes {parallel.nnodes} --node-rank N "
+                f"--master-addr {parallel.master_addr} --master-port {parallel.master_port} "
+                "--headless)")
+
+    return hint
+
+
+def run_headless_workers(config: EngineConfig) -> int:
+    """``ingot serve --headless --node-rank R``: this node's worker ranks for node 0's
+    executor at ``--master-addr`` (returns when node 0 has shut them down)."""
+    parallel = config.parallel_config
+    init, results, inbox = node_addresses(parallel)
+    local = parallel.tp_ranks_local
+    first = parallel.node_rank * local
+    return run_remote_children(_worker_main, range(first, first + local),
+                               lambda r: (config, r, init), results, inbox, "worker rank")
+
+
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         parallel = config.parallel_config
-        # This engine core's ranks: its TP group (each data-parallel replica has its own).
+        if parallel.node_rank != 0:
+            raise ValueError(
+                f"node_rank {parallel.node_rank} runs only its worker ranks, for node 0's "
+                "engine: start it with ingot serve MODEL ... --headless"
+            )
+        # This engine core's ranks: its TP group (each data-parallel replica has its own),
+        # the first tp_ranks_local of them here, the others on the other nodes.
         self.world_size = parallel.tensor_parallel_size
+        init, results, inbox = node_addresses(parallel)
+        remote = None
+        if parallel.nnodes > 1:
+            def remote() -> RemoteChildren:
+                return RemoteChildren(results, inbox, range(parallel.tp_ranks_local,
+                                                            self.world_size),
+                                      "worker rank", "--master-port or --master-addr (an "
+                                      "address of this node)")
         self._dead: str | None = None
         self._early: dict[int, deque[Any]] = {}  # replies to calls after the one gathered
         # Calls sent whose replies are not collected yet, oldest first.
@@ -222,17 +433,21 @@ class MultiprocExecutor(Executor):
         self._children: ChildProcesses | None = None
 
         def args(rank: int, init_method: str) -> tuple[Any, ...]:
+            if remote is not None:  # ranks on several hosts: a rendezvous they all reach
+                init_method = init
             return (config, rank, init_method if self.world_size > 1 else None)
 
         self._children = ChildProcesses(self.world_size, _worker_main, args, "worker rank",
-                                        "ingot-mp-")
+                                        "ingot-mp-", local=parallel.tp_ranks_local,
+                                        remote=remote, hint=_missing_nodes(parallel))
         try:
             self._children.wait_started(STARTUP_TIMEOUT_S)
         except WorkerProcessError as exc:
             self._dead = str(exc)
             self._children.close()
             raise
-        logger.info("multiprocess executor: %d worker process(es) started", self.world_size)
+        logger.info("multiprocess executor: %d worker process(es) started (%d on this node)",
+                    self.world_size, parallel.tp_ranks_local)
 
     def _gather(self, what: str = "call", timeout: float | None = None) -> list[Any]:
         assert self._children is not None

@@ -256,7 +256,8 @@ class Worker:
             init_distributed(parallel.tensor_parallel_size, rank, distributed_init_method,
                              parallel.tensor_parallel_size, self.device,
                              ep_size=parallel.ep_degree,
-                             sequence_parallel=parallel.sequence_parallel_prefill)
+                             sequence_parallel=parallel.sequence_parallel_prefill,
+                             node_rank=parallel.node_rank)
         # CPU compute threads: count, binding, adaptivity (platforms/cpu_threads.py).
         self.cpu_threads = (start_cpu_threads(rank_thread_config(config, self.global_rank))
                             if self.device.type == "cpu" else None)
@@ -354,6 +355,11 @@ class Worker:
             "warmup_seconds": self.warmup_seconds,
             "num_blocks": self.num_blocks,
             "pid": os.getpid(),
+            "node_rank": self.config.parallel_config.node_rank,  # TP across nodes: its node
+            # MoE: the first MoE layer's experts here, (first, count) (None: a dense model).
+            "local_experts": next(((m.expert_start, m.num_local_experts)
+                                   for m in self.model.modules() if hasattr(m, "expert_start")),
+                                  None),
             # TP: what carries the collectives ("shm", "gloo", "nccl"; None with one rank)
             # and whether prefill runs sequence-parallel.
             "tp_collectives": tp_collectives(),

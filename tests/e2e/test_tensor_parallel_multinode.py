@@ -1,0 +1,140 @@
+"""TP across nodes with vLLM's flags, two "nodes" on localhost: node 0 is
+``LLM(tensor_parallel_size=2, nnodes=2, node_rank=0, master_addr=...)`` (the engine and rank 0),
+node 1 is ``ingot serve MODEL ... --nnodes 2 --node-rank 1 --headless`` (rank 1 only), meeting
+over TCP. The model is a tiny Qwen3-MoE with one KV head (replicated over the ranks) and a
+dense layer, under expert parallelism, so one run checks TP attention and dense MLPs across
+nodes and EP across nodes: greedy tokens and logprobs equal TP=1's; each node holds half the
+experts; the collectives go over gloo, never the shared memory that one host would also allow;
+shutting node 0 down ends node 1's launcher.
+
+The Ray executor (``--distributed-executor-backend ray``) is checked here too, against the same
+TP=1 reference: the same Worker in two Ray actors on a small local Ray gives TP=1's tokens, and
+killing one actor makes the next request fail with an error naming the rank, never a hang."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import ray  # in the test extra: CI runs this
+from server_utils import free_port
+from tiny import make_tiny_model
+
+from ingot import LLM, SamplingParams
+from ingot.errors import IngotError
+
+pytestmark = pytest.mark.slow  # one engine at TP 1, two ranks on two "nodes", a local Ray
+
+PROMPTS = [[3, 17, 92, 45, 200, 11, 8, 250, 77, 5, 133], [9, 8, 7], list(range(40, 70))]
+COMMON = dict(dtype="float32", max_model_len=128, block_size=4, max_num_seqs=4)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tp-nodes")
+    return make_tiny_model("qwen3_moe", path, vocab_size=259, num_key_value_heads=1)
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+
+
+def _outputs(llm: LLM) -> tuple[list, list]:
+    out = llm.generate(PROMPTS, GREEDY)
+    return ([o.outputs[0].token_ids for o in out],
+            [[{t: v.logprob for t, v in step.items()} for step in o.outputs[0].logprobs]
+             for o in out])
+
+
+@pytest.fixture(scope="module")
+def runs(moe_dir, tmp_path_factory):
+    port = free_port()
+    nodes = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
+             "--master-port", str(port), "--enable-expert-parallel"]
+    log_path = tmp_path_factory.mktemp("node1") / "node1.log"
+    # Node 1 first: its rank waits in the rendezvous while the TP 1 reference runs.
+    with open(log_path, "w") as log:
+        node1 = subprocess.Popen(
+            [sys.executable, "-m", "ingot.entrypoints.cli", "serve", str(moe_dir),
+             "--dtype", "float32", "--max-model-len", "128", "--block-size", "4",
+             "--max-num-seqs", "4", *nodes, "--node-rank", "1", "--headless"],
+            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        llm = LLM(str(moe_dir), skip_tokenizer_init=True, **COMMON)
+        try:
+            ref = _outputs(llm)
+        finally:
+            llm.llm_engine.shutdown()
+        llm = LLM(str(moe_dir), skip_tokenizer_init=True, tensor_parallel_size=2, nnodes=2,
+                  node_rank=0, master_addr="127.0.0.1", master_port=port,
+                  enable_expert_parallel=True, **COMMON)
+        try:
+            got = _outputs(llm)
+            stats = llm.llm_engine.collective_rpc("startup_stats")
+        finally:
+            llm.llm_engine.shutdown()
+        node1_exit = node1.wait(timeout=60)
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
+    return ref, got, stats, node1_exit, log_path.read_text()
+
+
+def _assert_same(got: tuple[list, list], ref: tuple[list, list]) -> None:
+    assert got[0] == ref[0]
+    for got_req, ref_req in zip(got[1], ref[1], strict=True):
+        for g, r in zip(got_req, ref_req, strict=True):
+            assert g.keys() == r.keys()
+            assert all(abs(g[t] - v) < 1e-5 for t, v in r.items())
+
+
+def test_two_nodes_give_tp1_greedy_tokens_and_logprobs(runs):
+    _assert_same(runs[1], runs[0])
+
+
+def test_each_node_runs_its_rank_over_gloo(runs):
+    """Both "nodes" are this host, where shared memory would also work: the ranks must still
+    keep to torch.distributed (gloo), since across real hosts nothing else can."""
+    stats = runs[2]
+    assert [s["node_rank"] for s in stats] == [0, 1]
+    assert [s["tp_collectives"] for s in stats] == ["gloo", "gloo"]
+    assert stats[0]["pid"] != stats[1]["pid"]
+    assert stats[0]["num_blocks"] == stats[1]["num_blocks"] > 0
+    assert [s["local_experts"] for s in stats] == [(0, 2), (2, 2)]  # EP over the nodes
+
+
+def test_node1_launcher_exits_cleanly_after_node0_shuts_down(runs):
+    assert runs[3] == 0, runs[4]
+    assert "worker ranks [1] for the head node at tcp://127.0.0.1" in runs[4]
+
+
+def test_ray_executor_tp2_equals_tp1_and_a_dead_actor_fails_requests(moe_dir, runs):
+    ray.init(num_cpus=2, object_store_memory=80 * 2**20, include_dashboard=False,
+             log_to_driver=False)
+    try:
+        llm = LLM(str(moe_dir), skip_tokenizer_init=True, tensor_parallel_size=2,
+                  distributed_executor_backend="ray", **COMMON)
+        try:
+            _assert_same(_outputs(llm), runs[0])
+            stats = llm.llm_engine.collective_rpc("startup_stats")
+            pids = {s["pid"] for s in stats}
+            assert len(pids) == 2 and os.getpid() not in pids  # two actors, not this process
+            assert [s["tp_collectives"] for s in stats] == ["shm", "shm"]  # one node
+            assert [s["local_experts"] for s in stats] == [(0, 4), (0, 4)]  # TP of experts
+            llm.llm_engine.check_health()  # all alive
+            executor = llm.llm_engine.engine_core.executor
+            ray.kill(executor.workers[1])
+            start = time.monotonic()
+            with pytest.raises(IngotError, match=r"worker rank 1 \(Ray actor\) failed during"):
+                llm.generate(PROMPTS, GREEDY)  # the step's call finds it
+            assert time.monotonic() - start < 30
+            executor._dead = None  # forget that: an idle engine's health check finds it too
+            with pytest.raises(IngotError, match=r"worker rank 1 \(Ray actor .*\) is gone"):
+                llm.llm_engine.check_health()
+        finally:
+            llm.llm_engine.shutdown()
+    finally:
+        ray.shutdown()
