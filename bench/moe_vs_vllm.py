@@ -5,9 +5,13 @@ the arguments, the values do not matter for speed), then times the same greedy w
 each engine in its own child process, alternating engines in rounds (A B A B ...): ``--batch``
 prompts of ``--prompt-len`` token ids, ``--new-tokens`` each (ignore_eos), no tokenizer.
 Reports output tokens per second (prefill included: it is a small share at these lengths).
-vLLM runs from the peer venv (../shared/bench/vllm_peer.sh installs it).
+vLLM runs from the peer venv (../shared/bench/vllm_peer.sh installs it). Engine
+``ingot-torch-moe`` is ingot with its fused expert kernel refused (the torch expert path),
+for the kernel's A/B in the same run; each ingot child reports how many MoE layers ran the
+kernel.
 
     .venv/bin/python bench/moe_vs_vllm.py [--rounds 3] [--batch 8] [--new-tokens 64]
+        [--engines ingot,vllm,ingot-torch-moe]
 """
 
 from __future__ import annotations
@@ -37,6 +41,12 @@ if engine == "vllm":
             [{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)]
 else:
     from ingot import LLM, SamplingParams
+    from ingot.model_executor.layers.fused_moe import FusedMoE
+    bound, bind = [], FusedMoE.bind_cpu_kernels
+    def counted(layer, kernels):
+        bound.append(bind(layer, None if engine == "ingot-torch-moe" else kernels))
+        return bound[-1]
+    FusedMoE.bind_cpu_kernels = counted
     llm = LLM(model, dtype="bfloat16", max_model_len=512, max_num_seqs=max(batch, 1),
               skip_tokenizer_init=True)
     def run(prompts, sp):
@@ -48,7 +58,9 @@ prompts = [[rng.randrange(10, 4000) for _ in range(prompt_len)] for _ in range(b
 t = time.perf_counter()
 gen = sum(run(prompts, sp))
 dt = time.perf_counter() - t
-print("RESULT " + json.dumps({"tok_s": gen / dt, "tokens": gen, "seconds": dt}), flush=True)
+kernel_layers = sum(bound) if engine != "vllm" else None
+print("RESULT " + json.dumps({"tok_s": gen / dt, "tokens": gen, "seconds": dt,
+                              "kernel_layers": kernel_layers}), flush=True)
 '''
 
 
@@ -82,7 +94,8 @@ def main() -> None:
     parser.add_argument("--engines", default="ingot,vllm")
     args = parser.parse_args()
     engines = args.engines.split(",")
-    pythons = {"ingot": sys.executable, "vllm": str(PEER / "bin" / "python")}
+    pythons = {"ingot": sys.executable, "ingot-torch-moe": sys.executable,
+               "vllm": str(PEER / "bin" / "python")}
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "qwen3-moe-tiny"
         build_checkpoint(model, args)
@@ -100,8 +113,10 @@ def main() -> None:
                     continue
                 res = json.loads(lines[0][7:])
                 results[engine].append(res["tok_s"])
+                kernel = ("" if res["kernel_layers"] is None
+                          else f", {res['kernel_layers']} MoE layers on the kernel")
                 print(f"round {r} {engine}: {res['tok_s']:.1f} tok/s ({res['tokens']} tokens, "
-                      f"child {time.perf_counter() - start:.0f} s)", flush=True)
+                      f"child {time.perf_counter() - start:.0f} s{kernel})", flush=True)
     print(f"\nQwen3-MoE tiny random (hidden {args.hidden}, {args.layers} layers, {args.experts} "
           f"experts top-{args.top_k}, moe_intermediate {args.moe_intermediate}), bf16, batch "
           f"{args.batch}, {args.prompt_len} in / {args.new_tokens} out, median of "

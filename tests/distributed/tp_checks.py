@@ -17,6 +17,7 @@ import transformers
 from ingot.distributed import parallel_state
 from ingot.distributed.group import GroupCoordinator
 from ingot.model_executor.layers.attention import AttentionMetadata
+from ingot.model_executor.layers.cpu_kernels import load_cpu_kernels
 from ingot.model_executor.layers.fused_moe import FusedMoE, route
 from ingot.model_executor.layers.linear import (
     ColumnParallelLinear,
@@ -339,6 +340,12 @@ def moe(group: GroupCoordinator, ep_size: int = 1) -> None:
                 _close(part, ref.experts(x, weights, only_rank0), "rank 0's experts")
             else:
                 assert torch.equal(part, torch.zeros_like(part)), "nonzero off-rank output"
+        # ingot's fused expert kernel on this rank's shard (global ids, local experts).
+        if layer.bind_cpu_kernels(load_cpu_kernels()):
+            _close(layer(x), ref(x), f"MoE kernel (ep_size {ep_size})")
+            if ep_size == w and w > 1 and r > 0:
+                part = layer.experts(x, weights, only_rank0)
+                assert torch.equal(part, torch.zeros_like(part)), "nonzero off-rank kernel output"
 
 
 def vocab(group: GroupCoordinator, vocab_size: int) -> None:

@@ -2,8 +2,10 @@
 
 Prefill logits and 16 teacher-forced decode steps over the paged cache, greedy tokens through
 the engine, HF 5's fused expert layout, and the MoE layer alone against a plain per-token
-loop. Broken twins must fail: Qwen3-MoE routed without the top-k renormalisation, and a layer
-that routes to the wrong experts.
+loop; ingot's fused expert kernel (cpu_kernels.c) against the torch path, alone and on EP/TP
+shards, and bound in every model these tests load. Broken twins must fail: Qwen3-MoE routed
+without the top-k renormalisation, a layer that routes to the wrong experts, and the kernel
+given the wrong experts or no routing weights.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from test_tiny_models_vs_hf import ATOL, PROMPT, _compare_prefill_and_decode
 from tiny import hf_model, make_tiny_model
 
 from ingot import LLM, SamplingParams
+from ingot.model_executor.layers.cpu_kernels import load_cpu_kernels
 from ingot.model_executor.layers.fused_moe import (
     FusedMoE,
     expert_parallel_weight_loader,
@@ -62,6 +65,11 @@ def test_moe_layers_are_sparse_where_the_config_says(tiny_moe):
     ours = [isinstance(layer.mlp, FusedMoE) for layer in model.model.layers]
     theirs = [hasattr(layer.mlp, "experts") for layer in hf.model.layers]
     assert ours == theirs and any(ours)
+    # Where ingot's kernels build, the loader binds the fused expert kernel to every MoE layer,
+    # so the comparisons with HF in this file run it.
+    kernels = load_cpu_kernels()
+    assert all(layer.mlp.cpu_kernels is kernels for layer in model.model.layers
+               if isinstance(layer.mlp, FusedMoE))
 
 
 def test_moe_engine_greedy_tokens_match_hf(tiny_moe):
@@ -173,6 +181,129 @@ def test_moe_layer_wrong_experts_are_caught():
         weights, ids = route(layer.gate(x), 2, True)
         wrong = layer.experts(x, weights, (ids + 1) % 4)
         assert (wrong - _per_token_reference(layer, x)).abs().max() > 1e-2
+
+
+# ---- ingot's fused expert kernel (cpu_kernels.c) ------------------------------------------------
+
+needs_kernels = pytest.mark.skipif(load_cpu_kernels() is None,
+                                   reason="ingot's CPU kernels do not build on this machine")
+# float32: reduction order only; bfloat16: the same rounding points, so a few ulps at most.
+KERNEL_TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5},
+              torch.bfloat16: {"atol": 5e-2, "rtol": 1.6e-2}}
+
+
+def _random_routing(num_tokens: int, num_experts: int, top_k: int, seed: int = 3,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, distinct ids [T, k]) at random, expert 1 never chosen (an
+    expert with zero tokens)."""
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.rand(num_tokens, num_experts, generator=gen)
+    scores[:, 1] = -1.0
+    ids = scores.topk(top_k, dim=-1).indices
+    return torch.rand(num_tokens, top_k, generator=gen) + 0.1, ids
+
+
+def _kernel_case(num_experts: int, top_k: int, num_tokens: int, dtype: torch.dtype,
+                 ) -> tuple[FusedMoE, torch.Tensor, torch.Tensor, torch.Tensor]:
+    layer = _random_layer(num_experts, top_k, True).to(dtype)
+    x = torch.randn(num_tokens, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
+    weights, ids = _random_routing(num_tokens, num_experts, top_k)
+    return layer, x, weights, ids
+
+
+def _kernel_experts(layer: FusedMoE, x: torch.Tensor, weights: torch.Tensor,
+                    ids: torch.Tensor) -> torch.Tensor:
+    assert layer.bind_cpu_kernels(load_cpu_kernels())
+    return layer.experts(x, weights, ids)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_experts, top_k", [(4, 1), (6, 2), (10, 8)])
+@pytest.mark.parametrize("num_tokens", [1, 37])
+def test_fused_moe_kernel_equals_torch_path(dtype, num_experts, top_k, num_tokens):
+    layer, x, weights, ids = _kernel_case(num_experts, top_k, num_tokens, dtype)
+    with torch.inference_mode():
+        expected = layer.experts_torch(x, weights, ids)
+        torch.testing.assert_close(_kernel_experts(layer, x, weights, ids), expected,
+                                   **KERNEL_TOL[dtype])
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_kernel_broken_twins_fail(dtype):
+    """The equality gate can fail: the kernel given the wrong experts, or the routing weights
+    not applied (all ones), is far from the torch path."""
+    layer, x, weights, ids = _kernel_case(6, 2, 37, dtype)
+    with torch.inference_mode():
+        expected = layer.experts_torch(x, weights, ids)
+        for w, i in ((weights, (ids + 1) % 6), (torch.ones_like(weights), ids)):
+            with pytest.raises(AssertionError):
+                torch.testing.assert_close(_kernel_experts(layer, x, w, i), expected,
+                                           **KERNEL_TOL[dtype])
+
+
+def _shard(layer: FusedMoE, experts: range, inter: slice) -> FusedMoE:
+    """A copy of ``layer`` holding ``experts`` and the slice ``inter`` of their intermediate
+    dim, as an EP/TP rank does."""
+    part = _random_layer(layer.num_experts, layer.top_k, True).to(layer.w13.dtype)
+    full_i = layer.local_intermediate
+    w13 = layer.w13.data[experts.start:experts.stop]
+    gate, up = w13[:, :full_i][:, inter], w13[:, full_i:][:, inter]
+    part.w13 = torch.nn.Parameter(torch.cat([gate, up], 1).contiguous(), requires_grad=False)
+    part.w2 = torch.nn.Parameter(layer.w2.data[experts.start:experts.stop, :, inter].contiguous(),
+                                 requires_grad=False)
+    part.expert_start, part.num_local_experts = experts.start, len(experts)
+    part.local_intermediate = part.w2.shape[2]
+    return part
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_kernel_on_expert_and_intermediate_shards(dtype):
+    """The kernel takes a rank's shard (experts 3..5 of 8, half of the intermediate dim) with
+    the global ids: each shard's partial equals the torch path's, a token routed to none of a
+    shard's experts gets exactly zero there, and the partials sum to the full layer."""
+    layer, x, weights, ids = _kernel_case(8, 2, 37, dtype)
+    ids[0] = torch.tensor([0, 7])  # token 0 has no expert in 3..5
+    with torch.inference_mode():
+        parts = [(experts, _shard(layer, experts, inter))
+                 for experts in (range(0, 3), range(3, 6), range(6, 8))
+                 for inter in (slice(0, 12), slice(12, 24))]
+        full = _kernel_experts(layer, x, weights, ids)
+        total = torch.zeros_like(full, dtype=torch.float32)
+        for experts, part in parts:
+            expected = part.experts_torch(x, weights, ids)
+            got = _kernel_experts(part, x, weights, ids)
+            torch.testing.assert_close(got, expected, **KERNEL_TOL[dtype])
+            if experts.start == 3:
+                assert torch.equal(got[0], torch.zeros_like(got[0]))
+            total += got.float()
+        torch.testing.assert_close(total.to(dtype), full, **KERNEL_TOL[dtype])
+
+
+@needs_kernels
+def test_bf16_moe_model_packs_its_experts_and_counts_them(tmp_path):
+    """Loaded in bf16, every MoE layer reads packed experts (the plain copy released) and the
+    resident weight bytes count the packed copy, as the KV budget needs."""
+    from ingot.config import EngineArgs
+    from ingot.model_executor.layers.linear import resident_weight_bytes
+    from ingot.model_executor.loader.model_loader import load_model
+
+    path = make_tiny_model("qwen3_moe", tmp_path)
+    config = EngineArgs(model=str(path), dtype="bfloat16",
+                        skip_tokenizer_init=True).create_engine_config()
+    model = load_model(config.model_config, torch.device("cpu"))
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    assert layers and all(m.cpu_kernels is not None and m.w13.numel() == 0 for m in layers)
+    packed = sum(t.numel() * t.element_size() for m in layers for t in m.kernel_weights)
+    resident = resident_weight_bytes(model)
+    kept = [m.kernel_weights for m in layers]
+    for m in layers:
+        m.kernel_weights = None
+    assert resident - resident_weight_bytes(model) == packed > 0
+    for m, weights in zip(layers, kept, strict=True):
+        m.kernel_weights = weights
 
 
 def test_route_renormalised_equals_softmax_over_top_k_logits():

@@ -9,6 +9,7 @@
 #include <omp.h>
 #include <sched.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 static inline uint16_t to_bf16(float f) {
@@ -744,6 +745,312 @@ void ingot_add_layernorm_f32(const float *x, const float *bias, const float *res
                                                              _mm512_maskz_loadu_ps(mk, b + n)));
         }
     }
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* A mixture-of-experts block in one call: out[t] = sum_j w[t, j] * down_e(silu(gate_e(x[t]))
+   * up_e(x[t])) over the slots j of token t whose expert e = ids[t, j] - e0 is one of the E
+   local experts (0 <= e < E; other slots contribute nothing, so an EP/TP shard's partial sum
+   is exactly zero where it holds none of a token's experts). w13 [E, 2I, H] (gate rows then
+   up rows), w2 [E, H, I], x/out [T, H], ids int64 / w float32 [T, K].
+   1. The (token, slot) assignments are grouped by expert (a counting sort, token order kept).
+   2. Gate-up and SiLU-mul: one work item per (active expert, MOE_ICHUNK rows of I), taken
+      dynamically, so a skewed routing (one expert with most tokens) still spreads over every
+      thread; the activations of each assignment go to a [N, I] buffer (N <= T * K).
+   3. Down: one item per MOE_HCHUNK columns of out, each over every active expert in id order
+      (every item costs the same whatever the routing), so each output element is written by
+      one thread and accumulated in the torch path's order (expert by expert).
+   Rounding follows the torch path (fused_moe.py) in bf16: gate/up/down outputs, silu, the
+   product and each scaled contribution rounded to bf16, the sum in bf16 like index_add_. */
+#define MOE_ICHUNK 16
+#define MOE_HCHUNK 32
+/* Tokens per tile: 4, else 2 (decode batches put ~2 tokens on an expert), else 1; each weight
+   vector loaded once serves all of them. */
+#define MOE_NT(left) ((left) >= 4 ? 4 : (left) >= 2 ? 2 : 1)
+
+/* res[t * 4 + r] = x_t . w_r over n elements for NT (1, 2 or 4) rows of x and 4 rows of w
+   (float32: the bf16 kernel reads a packed layout instead, below). */
+static inline __attribute__((always_inline)) void moe_tile_f32(
+    const float *const *xr, const int NT, const float *const *wr, int64_t n, float *res) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < n; k += 16) {
+        const __mmask16 mk = n - k >= 16 ? 0xffffu : (__mmask16)((1u << (n - k)) - 1u);
+        __m512 w[4];
+        for (int r = 0; r < 4; r++) w[r] = _mm512_maskz_loadu_ps(mk, wr[r] + k);
+        for (int t = 0; t < NT; t++) {
+            const __m512 xv = _mm512_maskz_loadu_ps(mk, xr[t] + k);
+            for (int r = 0; r < 4; r++) acc[t * 4 + r] = _mm512_fmadd_ps(w[r], xv, acc[t * 4 + r]);
+        }
+    }
+    _mm512_storeu_ps(res, hsum16(acc));
+}
+
+/* Step 1: order[offs[e] .. offs[e + 1]) = the assignments (t * K + j) of local expert e, in
+   token order. Returns the number of local assignments. */
+static int64_t moe_group(const int64_t *ids, int64_t TK, int64_t e0, int64_t E, int64_t *offs,
+                         int64_t *order) {
+    for (int64_t e = 0; e <= E; e++) offs[e] = 0;
+    for (int64_t a = 0; a < TK; a++) {
+        const int64_t e = ids[a] - e0;
+        if (e >= 0 && e < E) offs[e + 1]++;
+    }
+    for (int64_t e = 0; e < E; e++) offs[e + 1] += offs[e];
+    /* offs[e] walks to offs[e + 1] while placing e's assignments; then shift it back */
+    for (int64_t a = 0; a < TK; a++) {
+        const int64_t e = ids[a] - e0;
+        if (e >= 0 && e < E) order[offs[e]++] = a;
+    }
+    for (int64_t e = E; e > 0; e--) offs[e] = offs[e - 1];
+    offs[0] = 0;
+    return offs[E];
+}
+
+/* The float32 kernel over the plain [E, 2I, H] / [E, H, I] weights; DT the element type, TILE
+   the dot-product tile, ROUND/LOAD/STORE the conversions (identity for float32). */
+#define MOE_KERNEL(NAME, DT, TILE, ROUND, LOAD, STORE)                                           \
+    int NAME(const DT *x, const int64_t *ids, const float *topw, const DT *w13, const DT *w2,   \
+             DT *out, int64_t T, int64_t K, int64_t e0, int64_t E, int64_t H, int64_t I,         \
+             int nthreads) {                                                                     \
+        int64_t *offs = (int64_t *)malloc((E + 1) * sizeof(int64_t));                            \
+        int64_t *order = (int64_t *)malloc((T * K + 1) * sizeof(int64_t));                       \
+        if (!offs || !order) { free(offs); free(order); return -1; }                             \
+        const int64_t N = moe_group(ids, T * K, e0, E, offs, order);                             \
+        const int64_t ichunks = (I + MOE_ICHUNK - 1) / MOE_ICHUNK;                               \
+        int64_t *items = (int64_t *)malloc((E * ichunks + 1) * sizeof(int64_t));                 \
+        int64_t nitems = 0;                                                                      \
+        for (int64_t e = 0; e < E; e++)                                                          \
+            if (offs[e + 1] > offs[e])                                                           \
+                for (int64_t c = 0; c < ichunks; c++) items[nitems++] = e * ichunks + c;         \
+        DT *act = (DT *)malloc((N * I + 1) * sizeof(DT));                                        \
+        if (!items || !act) { free(items); free(act); free(order); free(offs); return -1; }     \
+        const int64_t hchunks = (H + MOE_HCHUNK - 1) / MOE_HCHUNK;                               \
+        _Pragma("omp parallel num_threads(nthreads) if (N * H * I >= 65536)")                   \
+        {                                                                                        \
+            /* 2. gate-up, silu * up: act[a, i] for the item's expert and rows */                \
+            _Pragma("omp for schedule(dynamic, 1)")                                              \
+            for (int64_t it = 0; it < nitems; it++) {                                            \
+                const int64_t e = items[it] / ichunks, i0 = (items[it] % ichunks) * MOE_ICHUNK; \
+                const int64_t i1 = i0 + MOE_ICHUNK < I ? i0 + MOE_ICHUNK : I;                    \
+                const DT *we = w13 + e * 2 * I * H;                                              \
+                for (int64_t a = offs[e]; a < offs[e + 1];) {                                    \
+                    const int nt = MOE_NT(offs[e + 1] - a);                                      \
+                    const DT *xr[4];                                                             \
+                    for (int t = 0; t < nt; t++) xr[t] = x + (order[a + t] / K) * H;             \
+                    for (int64_t i = i0; i < i1; i += 2) {                                       \
+                        const int64_t i2 = i + 1 < i1 ? i + 1 : i; /* odd tail: row repeated */  \
+                        const DT *wr[4] = {we + i * H, we + i2 * H, we + (I + i) * H,            \
+                                           we + (I + i2) * H};                                   \
+                        float res[16];                                                           \
+                        if (nt == 4) TILE(xr, 4, wr, H, res);                                    \
+                        else if (nt == 2) TILE(xr, 2, wr, H, res);                               \
+                        else TILE(xr, 1, wr, H, res);                                            \
+                        for (int t = 0; t < nt; t++)                                             \
+                            for (int64_t r = 0; r <= i2 - i; r++) {                              \
+                                const float g = ROUND(res[t * 4 + r]);                           \
+                                const float u = ROUND(res[t * 4 + 2 + r]);                       \
+                                const float s = ROUND(g / (1.0f + expf(-g)));                    \
+                                act[(a + t) * I + i + r] = STORE(ROUND(s * u));                  \
+                            }                                                                    \
+                    }                                                                            \
+                    a += nt;                                                                     \
+                }                                                                                \
+            }                                                                                    \
+            /* 3. down and the weighted sum: columns h0 .. h1 of every token */                  \
+            _Pragma("omp for schedule(static)")                                                  \
+            for (int64_t hc = 0; hc < hchunks; hc++) {                                           \
+                const int64_t h0 = hc * MOE_HCHUNK;                                              \
+                const int64_t h1 = h0 + MOE_HCHUNK < H ? h0 + MOE_HCHUNK : H;                    \
+                for (int64_t t = 0; t < T; t++)                                                  \
+                    for (int64_t h = h0; h < h1; h++) out[t * H + h] = STORE(0.0f);              \
+                for (int64_t e = 0; e < E; e++) {                                                \
+                    const DT *we = w2 + e * H * I;                                               \
+                    for (int64_t a = offs[e]; a < offs[e + 1];) {                                \
+                        const int nt = MOE_NT(offs[e + 1] - a);                                  \
+                        const DT *ar[4];                                                         \
+                        for (int t = 0; t < nt; t++) ar[t] = act + (a + t) * I;                  \
+                        for (int64_t h = h0; h < h1; h += 4) {                                   \
+                            const DT *wr[4];                                                     \
+                            for (int r = 0; r < 4; r++)                                          \
+                                wr[r] = we + (h + r < h1 ? h + r : h) * I;                       \
+                            float res[16];                                                       \
+                            if (nt == 4) TILE(ar, 4, wr, I, res);                                \
+                            else if (nt == 2) TILE(ar, 2, wr, I, res);                           \
+                            else TILE(ar, 1, wr, I, res);                                        \
+                            for (int t = 0; t < nt; t++) {                                       \
+                                const int64_t as = order[a + t];                                 \
+                                DT *o = out + (as / K) * H;                                      \
+                                for (int r = 0; r < 4 && h + r < h1; r++)                        \
+                                    o[h + r] = STORE(ROUND(LOAD(o[h + r]) +                      \
+                                                           ROUND(ROUND(res[t * 4 + r]) *         \
+                                                                 topw[as])));                    \
+                            }                                                                    \
+                        }                                                                        \
+                        a += nt;                                                                 \
+                    }                                                                            \
+                }                                                                                \
+            }                                                                                    \
+        }                                                                                        \
+        free(act);                                                                               \
+        free(items);                                                                             \
+        free(order);                                                                             \
+        free(offs);                                                                              \
+        return 0;                                                                                \
+    }
+
+static inline float moe_id(float f) { return f; }
+MOE_KERNEL(ingot_fused_moe_f32, float, moe_tile_f32, moe_id, moe_id, moe_id)
+
+/* The bf16 kernel reads the experts packed for vdpbf16ps with no horizontal sums
+   (ingot_moe_pack_bf16): a matrix [N, K] as blocks of 16 rows, each K/2 steps of [16 rows][2]
+   (row pairs of k interleaved), so one 64-byte load and a broadcast pair of x give 16 outputs'
+   partial sums; a tiny hidden size (256) no longer spends most of its time reducing. w13p
+   [E][2][ceil(I/16)][H/2][32] (gate, then up), w2p [E][ceil(H/16)][I/2][32]; H and I even. */
+void ingot_moe_pack_bf16(const uint16_t *w, uint16_t *packed, int64_t M, int64_t N, int64_t K) {
+    const int64_t nb = (N + 15) / 16, kp = K / 2;
+#pragma omp parallel for schedule(static)
+    for (int64_t mb = 0; mb < M * nb; mb++) {
+        const int64_t m = mb / nb, b = mb % nb;
+        uint16_t *dst = packed + mb * kp * 32;
+        for (int64_t k = 0; k < kp; k++)
+            for (int r = 0; r < 16; r++) {
+                const int64_t n = b * 16 + r;
+                dst[k * 32 + 2 * r] = n < N ? w[(m * N + n) * K + 2 * k] : 0;
+                dst[k * 32 + 2 * r + 1] = n < N ? w[(m * N + n) * K + 2 * k + 1] : 0;
+            }
+    }
+}
+
+/* ag[t] / au[t] = x_t . (16 rows of block g / u) over kp pairs, for NT tokens: two blocks and
+   two accumulators each over even and odd pairs, so 4 * NT independent vdpbf16ps chains hide
+   its latency (one chain per output block had bound the decode case). */
+static inline __attribute__((always_inline)) void moe_block2_bf16(
+    const uint16_t *const *xr, const int NT, const uint16_t *g, const uint16_t *u, int64_t kp,
+    __m512 *ag, __m512 *au) {
+    __m512 a[4][4];
+    for (int t = 0; t < NT; t++)
+        for (int j = 0; j < 4; j++) a[t][j] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 1 < kp; k += 2) {
+        const __m512bh wg0 = (__m512bh)_mm512_loadu_si512((const void *)(g + k * 32));
+        const __m512bh wu0 = (__m512bh)_mm512_loadu_si512((const void *)(u + k * 32));
+        const __m512bh wg1 = (__m512bh)_mm512_loadu_si512((const void *)(g + k * 32 + 32));
+        const __m512bh wu1 = (__m512bh)_mm512_loadu_si512((const void *)(u + k * 32 + 32));
+        for (int t = 0; t < NT; t++) {
+            uint32_t p0, p1;
+            memcpy(&p0, xr[t] + 2 * k, 4);
+            memcpy(&p1, xr[t] + 2 * k + 2, 4);
+            const __m512bh x0 = (__m512bh)_mm512_set1_epi32((int)p0);
+            const __m512bh x1 = (__m512bh)_mm512_set1_epi32((int)p1);
+            a[t][0] = _mm512_dpbf16_ps(a[t][0], wg0, x0);
+            a[t][1] = _mm512_dpbf16_ps(a[t][1], wu0, x0);
+            a[t][2] = _mm512_dpbf16_ps(a[t][2], wg1, x1);
+            a[t][3] = _mm512_dpbf16_ps(a[t][3], wu1, x1);
+        }
+    }
+    if (k < kp) {
+        const __m512bh wg0 = (__m512bh)_mm512_loadu_si512((const void *)(g + k * 32));
+        const __m512bh wu0 = (__m512bh)_mm512_loadu_si512((const void *)(u + k * 32));
+        for (int t = 0; t < NT; t++) {
+            uint32_t p0;
+            memcpy(&p0, xr[t] + 2 * k, 4);
+            const __m512bh x0 = (__m512bh)_mm512_set1_epi32((int)p0);
+            a[t][0] = _mm512_dpbf16_ps(a[t][0], wg0, x0);
+            a[t][1] = _mm512_dpbf16_ps(a[t][1], wu0, x0);
+        }
+    }
+    for (int t = 0; t < NT; t++) {
+        ag[t] = _mm512_add_ps(a[t][0], a[t][2]);
+        au[t] = _mm512_add_ps(a[t][1], a[t][3]);
+    }
+}
+
+int ingot_fused_moe_bf16(const uint16_t *x, const int64_t *ids, const float *topw,
+                         const uint16_t *w13p, const uint16_t *w2p, uint16_t *out, int64_t T,
+                         int64_t K, int64_t e0, int64_t E, int64_t H, int64_t I, int nthreads) {
+    int64_t *offs = (int64_t *)malloc((E + 1) * sizeof(int64_t));
+    int64_t *order = (int64_t *)malloc((T * K + 1) * sizeof(int64_t));
+    if (!offs || !order) { free(offs); free(order); return -1; }
+    const int64_t N = moe_group(ids, T * K, e0, E, offs, order);
+    const int64_t ib = (I + 15) / 16, hb = (H + 15) / 16, kh = H / 2, ki = I / 2;
+    int64_t *items = (int64_t *)malloc((E * ib + 1) * sizeof(int64_t));
+    int64_t nitems = 0;
+    for (int64_t e = 0; e < E; e++)
+        if (offs[e + 1] > offs[e])
+            for (int64_t c = 0; c < ib; c++) items[nitems++] = e * ib + c;
+    uint16_t *act = (uint16_t *)malloc((N * I + 1) * sizeof(uint16_t));
+    if (!items || !act) { free(items); free(act); free(order); free(offs); return -1; }
+    const int64_t hitems = (hb + 1) / 2; /* two blocks (64 bytes of a row of out) per item */
+#pragma omp parallel num_threads(nthreads) if (N * H * I >= 65536)
+    {
+        /* 2. gate-up, silu * up: 16 rows of act for the item's expert, every token of it */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < nitems; it++) {
+            const int64_t e = items[it] / ib, c = items[it] % ib;
+            const uint16_t *g = w13p + ((e * 2 + 0) * ib + c) * kh * 32;
+            const uint16_t *u = w13p + ((e * 2 + 1) * ib + c) * kh * 32;
+            const int cnt = I - c * 16 < 16 ? (int)(I - c * 16) : 16;
+            for (int64_t a = offs[e]; a < offs[e + 1];) {
+                const int nt = MOE_NT(offs[e + 1] - a);
+                const uint16_t *xr[4];
+                for (int t = 0; t < nt; t++) xr[t] = x + (order[a + t] / K) * H;
+                __m512 ag[4], au[4];
+                if (nt == 4) moe_block2_bf16(xr, 4, g, u, kh, ag, au);
+                else if (nt == 2) moe_block2_bf16(xr, 2, g, u, kh, ag, au);
+                else moe_block2_bf16(xr, 1, g, u, kh, ag, au);
+                for (int t = 0; t < nt; t++) {
+                    const __m512 gv = round_bf16x16(ag[t]), uv = round_bf16x16(au[t]);
+                    const __m512 e_ = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+                    const __m512 sg = round_bf16x16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e_)));
+                    store_bf16x16(act + (a + t) * I + c * 16, round_bf16x16(_mm512_mul_ps(sg, uv)), cnt);
+                }
+                a += nt;
+            }
+        }
+        /* 3. down and the weighted sum: 32 columns (blocks b, b + 1) of out for every token,
+           expert by expert; an odd last block is computed twice and stored once. */
+#pragma omp for schedule(static)
+        for (int64_t hi = 0; hi < hitems; hi++) {
+            const int64_t b0 = 2 * hi, b1 = b0 + 1 < hb ? b0 + 1 : b0;
+            const int c0 = H - b0 * 16 < 16 ? (int)(H - b0 * 16) : 16;
+            const int c1 = H - b1 * 16 < 16 ? (int)(H - b1 * 16) : 16;
+            const __mmask16 m0 = (__mmask16)(c0 == 16 ? 0xffffu : (1u << c0) - 1u);
+            const __mmask16 m1 = (__mmask16)(c1 == 16 ? 0xffffu : (1u << c1) - 1u);
+            for (int64_t t = 0; t < T; t++) {
+                store_bf16x16(out + t * H + b0 * 16, _mm512_setzero_ps(), c0);
+                store_bf16x16(out + t * H + b1 * 16, _mm512_setzero_ps(), c1);
+            }
+            for (int64_t e = 0; e < E; e++) {
+                const uint16_t *w0 = w2p + (e * hb + b0) * ki * 32, *w1 = w2p + (e * hb + b1) * ki * 32;
+                for (int64_t a = offs[e]; a < offs[e + 1];) {
+                    const int nt = MOE_NT(offs[e + 1] - a);
+                    const uint16_t *ar[4];
+                    for (int t = 0; t < nt; t++) ar[t] = act + (a + t) * I;
+                    __m512 y0[4], y1[4];
+                    if (nt == 4) moe_block2_bf16(ar, 4, w0, w1, ki, y0, y1);
+                    else if (nt == 2) moe_block2_bf16(ar, 2, w0, w1, ki, y0, y1);
+                    else moe_block2_bf16(ar, 1, w0, w1, ki, y0, y1);
+                    for (int t = 0; t < nt; t++) {
+                        const int64_t as = order[a + t];
+                        const __m512 s = _mm512_set1_ps(topw[as]);
+                        uint16_t *o = out + (as / K) * H;
+                        const __m512 v0 = round_bf16x16(_mm512_mul_ps(round_bf16x16(y0[t]), s));
+                        store_bf16x16(o + b0 * 16, round_bf16x16(_mm512_add_ps(maskload_bf16x16(o + b0 * 16, m0), v0)), c0);
+                        if (b1 != b0) {
+                            const __m512 v1 = round_bf16x16(_mm512_mul_ps(round_bf16x16(y1[t]), s));
+                            store_bf16x16(o + b1 * 16, round_bf16x16(_mm512_add_ps(maskload_bf16x16(o + b1 * 16, m1), v1)), c1);
+                        }
+                    }
+                    a += nt;
+                }
+            }
+        }
+    }
+    free(act);
+    free(items);
+    free(order);
+    free(offs);
+    return 0;
 }
 
 /* ---------------------------------------------------------------------------------------- */

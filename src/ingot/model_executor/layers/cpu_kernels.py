@@ -12,6 +12,9 @@ project's 2-core machine (single-stream decode of the default model):
 - ``write_kv``: a prefill chunk's k/v rows into the paged cache (one call for both caches).
 - ``rope_write_kv``: a prefill chunk's rotary on q and k, and the cache write, in one call.
 - ``argmax`` of bf16 logits for greedy sampling: ~9x faster than torch's on 64 x 49152.
+- ``fused_moe`` (bf16 and float32): a mixture-of-experts block's experts in one call, for
+  every token of a step (layers/fused_moe.py), instead of a sort, a host sync and two matmuls
+  per expert from Python.
 Elementwise results round to bf16 at the same points as the torch ops they replace.
 
 The C source is built once per machine with the system C compiler into the ingot cache
@@ -74,6 +77,12 @@ class CpuKernels:
         )
         self.bias_gelu = self._bind(lib.ingot_bias_gelu_f32, [p, p, i64, i64, i32])
         self.add_layernorm = self._bind(lib.ingot_add_layernorm_f32, [p] * 6 + [i64] * 2 + [f32, i32])
+        moe_args = [p] * 6 + [i64] * 6 + [i32]
+        self.fused_moe = {torch.bfloat16: self._bind(lib.ingot_fused_moe_bf16, moe_args),
+                          torch.float32: self._bind(lib.ingot_fused_moe_f32, moe_args)}
+        for fn in self.fused_moe.values():
+            fn.restype = i32  # -1: its work buffers could not be allocated
+        self.moe_pack = self._bind(lib.ingot_moe_pack_bf16, [p] * 2 + [i64] * 3)
         self.bind_threads = lib.ingot_bind_threads  # platforms/cpu_threads.py pins teams with it
         self.bind_threads.restype = ctypes.c_int
         self.bind_threads.argtypes = [ctypes.POINTER(ctypes.c_int), i32]
@@ -400,4 +409,54 @@ def add_layernorm_f32(
     kernels.add_layernorm(x.data_ptr(), _ptr(bias), _ptr(residual), weight.data_ptr(),
                           norm_bias.data_ptr(), out.data_ptr(), x.numel() // n, n, eps,
                           torch.get_num_threads())
+    return out
+
+
+def pack_moe_weights(kernels: CpuKernels, w13: torch.Tensor, w2: torch.Tensor,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 stacked experts -> the fused MoE kernel's layout: each [N, K] matrix as blocks of
+    16 rows, each K/2 steps of [16 rows][2] (zero rows pad the last block). Gate and up are
+    packed apart (w13 [E, 2I, H] -> [E, 2, ceil(I/16), H/2, 32]), down [E, H, I] -> [E,
+    ceil(H/16), I/2, 32]. H and I must be even."""
+    num_local, two_inter, hidden = w13.shape
+    inter = two_inter // 2
+    gate_up = w13.reshape(num_local * 2, inter, hidden).contiguous()
+    w13p = torch.empty(num_local, 2, -(-inter // 16), hidden // 2, 32, dtype=torch.bfloat16)
+    kernels.moe_pack(gate_up.data_ptr(), w13p.data_ptr(), num_local * 2, inter, hidden)
+    w2 = w2.contiguous()
+    w2p = torch.empty(num_local, -(-hidden // 16), inter // 2, 32, dtype=torch.bfloat16)
+    kernels.moe_pack(w2.data_ptr(), w2p.data_ptr(), num_local, hidden, inter)
+    return w13p, w2p
+
+
+def fused_moe(
+    kernels: CpuKernels,
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    expert_start: int,
+    num_local: int,
+    inter: int,
+) -> torch.Tensor:
+    """The experts of a MoE block for every token: x [T, H], routing ``weights`` [T, k]
+    (float32) and global expert ``ids`` [T, k]; ``w13``/``w2`` hold the ``num_local`` local
+    experts ``expert_start`` .. (an EP block and/or a TP slice ``inter`` of I; the other
+    experts' slots contribute nothing): float32 as stacked ([E_L, 2 I_L, H] gate rows then up
+    rows, [E_L, H, I_L]), bfloat16 from :func:`pack_moe_weights`. Returns [T, H] in x's dtype,
+    ``sum_j weights[t, j] * down(silu(gate(x[t])) * up(x[t]))`` over local experts."""
+    x = x.contiguous()
+    num_tokens, hidden = x.shape
+    ids = ids.to(torch.int64).contiguous()
+    weights = weights.to(torch.float32).contiguous()
+    out = torch.empty_like(x)
+    status = kernels.fused_moe[x.dtype](
+        x.data_ptr(), ids.data_ptr(), weights.data_ptr(), w13.data_ptr(), w2.data_ptr(),
+        out.data_ptr(), num_tokens, ids.shape[1], expert_start, num_local, hidden, inter,
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise MemoryError(f"fused MoE kernel: no memory for the work buffers of {num_tokens} "
+                          f"tokens x {ids.shape[1]} experts (lower --max-num-batched-tokens)")
     return out

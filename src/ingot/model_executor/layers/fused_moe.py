@@ -22,6 +22,12 @@ A step all-gathers the replicas' tokens over the DP group, computes the local ex
 of them, all-reduces over TP and reduce-scatters over DP, so each replica gets back exactly
 its own tokens' output. Every replica must bring the same token count (the DP padding,
 distributed/data_parallel.py).
+
+The experts run in one C call (cpu_kernels.c, ``fused_moe``) where ingot's CPU kernels apply:
+on CPU, bfloat16 or float32 weights, the kernels built (decided once per layer at load time by
+:func:`bind_moe_kernels`; MoE models never compile). It takes the local expert shard and the
+first local expert's global id, so TP and EP partials are the same as the torch path's.
+Elsewhere (CUDA, other dtypes, ``INGOT_CPU_KERNELS=0``) the torch path below runs.
 """
 
 from __future__ import annotations
@@ -37,6 +43,12 @@ from ingot.distributed.group import GroupCoordinator
 from ingot.distributed.layouts import ep_rank_of, local_expert_range
 from ingot.distributed.parallel_state import get_tp_group
 from ingot.distributed.sequence_parallel import reduce_partial
+from ingot.model_executor.layers.cpu_kernels import (
+    CpuKernels,
+    fused_moe,
+    load_cpu_kernels,
+    pack_moe_weights,
+)
 from ingot.model_executor.layers.linear import (
     ReplicatedLinear,
     shard_of,
@@ -122,6 +134,34 @@ class FusedMoE(nn.Module):
         # (expert, shard id) pieces seen by the loaders, every expert's (the model loader
         # marks a stacked parameter loaded at its first piece, so completeness is checked here).
         self.loaded_pieces: set[tuple[int, int]] = set()
+        # ingot's fused expert kernel, once bound (bind_moe_kernels); None: the torch path.
+        self.cpu_kernels: CpuKernels | None = None
+        # The weights it reads: (w13, w2) in float32, their packed copies in bf16 (then the
+        # plain ones are released, as packed linears do: nothing reads them any more).
+        self.kernel_weights: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def bind_cpu_kernels(self, kernels: CpuKernels | None) -> bool:
+        """Use ``kernels``' fused expert computation from now on where it applies to these
+        weights (CPU; float32, or bfloat16 with even hidden and intermediate sizes; contiguous);
+        returns whether it does. Binding bf16 weights packs them and frees the plain copy."""
+        if self.kernel_weights is not None:  # already bound (and maybe packed)
+            self.cpu_kernels = kernels or self.cpu_kernels
+            return True
+        w13, w2 = self.w13.data, self.w2.data
+        applies = (kernels is not None and w13.device.type == "cpu" and w2.dtype == w13.dtype
+                   and w13.is_contiguous() and w2.is_contiguous()
+                   and (w13.dtype == torch.float32
+                        or (w13.dtype == torch.bfloat16 and self.hidden_size % 2 == 0
+                            and self.local_intermediate % 2 == 0)))
+        self.cpu_kernels = kernels if applies else None
+        if not applies:
+            return False
+        if w13.dtype == torch.bfloat16:
+            self.kernel_weights = pack_moe_weights(kernels, w13, w2)
+            self.w13.data, self.w2.data = w13.new_empty(0), w2.new_empty(0)
+        else:
+            self.kernel_weights = (self.w13, self.w2)
+        return True
 
     def missing_pieces(self) -> list[tuple[int, str]]:
         """(expert, projection) pairs no checkpoint tensor has filled."""
@@ -210,6 +250,14 @@ class FusedMoE(nn.Module):
         """This rank's partial sum over its experts (and its intermediate slice) of
         ``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])``; rows of tokens routed to no local
         expert stay exactly zero."""
+        if self.cpu_kernels is not None and self.kernel_weights is not None:
+            return fused_moe(self.cpu_kernels, x, weights, ids, *self.kernel_weights,
+                             self.expert_start, self.num_local_experts, self.local_intermediate)
+        return self.experts_torch(x, weights, ids)
+
+    def experts_torch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                      ) -> torch.Tensor:
+        """:meth:`experts` in torch ops (any device and dtype): grouped by expert."""
         num_tokens, k = ids.shape
         out = torch.zeros_like(x)
         flat = ids.reshape(-1)
@@ -243,3 +291,11 @@ class FusedMoE(nn.Module):
         ys = (ys.float() * scale[:, None]).to(x.dtype)
         out.index_add_(0, tokens, ys)
         return out
+
+
+def bind_moe_kernels(model: nn.Module) -> int:
+    """Give every MoE layer of ``model`` ingot's fused expert kernel where it applies (see
+    :meth:`FusedMoE.bind_cpu_kernels`); returns how many layers took it."""
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    kernels = load_cpu_kernels() if layers else None
+    return sum(layer.bind_cpu_kernels(kernels) for layer in layers)

@@ -383,4 +383,6 @@ def resident_weight_bytes(model: nn.Module) -> int:
             add(module.packed_weight)
             add(module.gemv_weight)
             add(module.bias_f32)
+        for t in getattr(module, "kernel_weights", None) or ():  # FusedMoE's packed experts
+            add(t)
     return sum(storages.values())

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ingot.config import ModelConfig
+from ingot.model_executor.layers.fused_moe import bind_moe_kernels
 from ingot.model_executor.layers.linear import (
     cpu_packed_linear_supported,
     pack_linear_weights,
@@ -63,6 +64,8 @@ def load_model(
         "INGOT_DISABLE_PACKED_LINEAR"
     ):
         pack_linear_weights(model, keep_plain=keep_plain_weights)
+    if device.type == "cpu":
+        bind_moe_kernels(model)  # MoE experts in one C call per layer where the kernel applies
     nbytes = resident_weight_bytes(model)
     logger.info(
         "loaded %s (%s, %.1f MB resident, derived kernel layouts included) in %.2fs",
