@@ -8,7 +8,9 @@ sentence-transformers is not a dependency of ingot; install it beside the venv, 
       threadpoolctl cloudpickle narwhals
   PYTHONPATH=/tmp/st .venv/bin/python bench/embedding_throughput.py
 Without it only ingot's figures are printed. ``--engines ingot,ingot-bf16,...`` adds ingot
-in bf16. vLLM's CPU backend is not run by this script.
+in bf16; ``vllm`` adds vLLM's CPU backend (float32, its pooling runner), run with the peer's
+Python (``$INGOT_PEER_VENV``, default ~/.cache/ingot-peer/vllm; see ../shared/bench/vllm_peer.sh
+for its install); that child imports neither ingot nor this venv's packages.
 """
 
 from __future__ import annotations
@@ -26,10 +28,8 @@ import time
 import urllib.request
 
 import torch
-from serve_util import ingot_server
 
-from ingot import LLM
-from ingot.model_executor.loader.packaged_models import default_embedder_path
+PEER_VENV = os.environ.get("INGOT_PEER_VENV", os.path.expanduser("~/.cache/ingot-peer/vllm"))
 
 WORDS = ("the of and to in is was for on that with as by at from his her an which were are "
          "river engine model token memory sentence quick brown fox jumps over lazy dog paris "
@@ -51,6 +51,8 @@ def sentences(n: int, tokenizer) -> list[str]:  # noqa: ANN001
 
 
 def server_latency(requests: int) -> float:
+    from serve_util import ingot_server
+
     body = json.dumps({"input": "What is the capital of France?"}).encode()
     times = []
     with ingot_server(["--runner", "pooling"]) as url:
@@ -65,23 +67,36 @@ def server_latency(requests: int) -> float:
     return statistics.median(times[2:])
 
 
-def child(engine: str, n: int, batch_size: int, vectors: str, adaptive: bool = True) -> None:
+def child(engine: str, n: int, batch_size: int, vectors: str, model_path: str,
+          adaptive: bool = True) -> None:
     """One engine, one timed pass over the workload in this (fresh) process; prints a RESULT
     line and saves the vectors for the parent's agreement check."""
-    path = default_embedder_path()
     from transformers import AutoTokenizer
 
-    texts = sentences(n, AutoTokenizer.from_pretrained(path))
+    texts = sentences(n, AutoTokenizer.from_pretrained(model_path))
+    dtype = "float32"
     if engine == "sentence-transformers":
         from sentence_transformers import SentenceTransformer
 
-        st = SentenceTransformer(path, device="cpu")
+        st = SentenceTransformer(model_path, device="cpu")
         st.encode(texts[:64], batch_size=batch_size)  # warm
         start = time.perf_counter()
         vecs = torch.tensor(st.encode(texts, batch_size=batch_size))
         seconds = time.perf_counter() - start
-        dtype = "float32"
+    elif engine == "vllm":
+        from vllm import LLM as VllmLLM
+
+        # The CPU backend reserves this fraction of host memory (weights + KV cache).
+        llm = VllmLLM(model=model_path, runner="pooling", dtype="float32", max_model_len=256,
+                      gpu_memory_utilization=0.06)
+        llm.embed(texts[:64], use_tqdm=False)  # warm
+        start = time.perf_counter()
+        outs = llm.embed(texts, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        vecs = torch.tensor([o.outputs.embedding for o in outs])
     else:
+        from ingot import LLM
+
         llm = LLM(runner="pooling", cpu_adaptive_threads=adaptive,
                   **({"dtype": "bfloat16"} if engine == "ingot-bf16" else {}))
         dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
@@ -94,12 +109,16 @@ def child(engine: str, n: int, batch_size: int, vectors: str, adaptive: bool = T
     print("RESULT " + json.dumps({"engine": engine, "seconds": seconds, "dtype": dtype}), flush=True)
 
 
-def run_child(engine: str, ns: argparse.Namespace, vectors: str) -> dict:
-    cmd = [sys.executable, __file__, "--child", engine, "--sentences", str(ns.sentences),
-           "--batch-size", str(ns.batch_size), "--vectors", vectors]
+def run_child(engine: str, ns: argparse.Namespace, vectors: str, model_path: str) -> dict:
+    python = os.path.join(PEER_VENV, "bin", "python") if engine == "vllm" else sys.executable
+    cmd = [python, __file__, "--child", engine, "--sentences", str(ns.sentences),
+           "--batch-size", str(ns.batch_size), "--vectors", vectors, "--model-path", model_path]
     if ns.no_cpu_adaptive_threads:
         cmd.append("--no-cpu-adaptive-threads")
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{engine} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    out = proc.stdout
     line = next(x for x in out.splitlines() if x.startswith("RESULT "))
     return json.loads(line.removeprefix("RESULT "))
 
@@ -112,22 +131,31 @@ def main() -> None:
     ap.add_argument("--latency-requests", type=int, default=30)
     ap.add_argument("--engines", default="ingot,sentence-transformers",
                     help="comma-separated: ingot (its default dtype), ingot-bf16, "
-                         "sentence-transformers")
+                         "sentence-transformers, vllm")
     ap.add_argument("--no-cpu-adaptive-threads", action="store_true",
                     help="ingot keeps all its threads (as sentence-transformers does)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--vectors", help=argparse.SUPPRESS)
+    ap.add_argument("--model-path", help=argparse.SUPPRESS)
     ns = ap.parse_args()
     if ns.child:
-        child(ns.child, ns.sentences, ns.batch_size, ns.vectors, not ns.no_cpu_adaptive_threads)
+        child(ns.child, ns.sentences, ns.batch_size, ns.vectors, ns.model_path,
+              not ns.no_cpu_adaptive_threads)
         return
+    from ingot.model_executor.loader.packaged_models import default_embedder_path
+
+    model_path = str(default_embedder_path())
     engines = ns.engines.split(",")
+    if "vllm" in engines and not os.path.exists(os.path.join(PEER_VENV, "bin", "python")):
+        print(f"no vLLM peer venv at {PEER_VENV} (../shared/bench/vllm_peer.sh installs it): "
+              "running without vllm", flush=True)
+        engines = [e for e in engines if e != "vllm"]
     if "sentence-transformers" in engines and importlib.util.find_spec("sentence_transformers") is None:
         print("sentence-transformers is not installed: running ingot only", flush=True)
         engines = [e for e in engines if e != "sentence-transformers"]
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(default_embedder_path())
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
     texts = sentences(ns.sentences, tokenizer)
     num_tokens = sum(len(tokenizer.encode(t)) for t in texts)
     print(f"WORKLOAD sentences={len(texts)} tokens={num_tokens} load_before={os.getloadavg()}",
@@ -136,7 +164,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(ns.rounds):  # engines alternate, each in its own process
             for engine in engines:
-                res = run_child(engine, ns, f"{tmp}/{engine}.pt")
+                res = run_child(engine, ns, f"{tmp}/{engine}.pt", model_path)
                 t = res["seconds"]
                 rates[engine].append(len(texts) / t)
                 print(f"RESULT engine={engine} dtype={res['dtype']} round={rnd} "

@@ -76,8 +76,10 @@ def test_defaults_from_sentence_transformers(llm_fp32):
 
 
 def test_fp32_equals_hf_mean_pooling(reference, llm_fp32):
-    texts, ref, _, _ = reference
+    texts, ref, tok, _ = reference
     outs = llm_fp32.embed(texts)
+    # The batch encode (engine.pretokenize) gives the tokenizer's own ids for every text.
+    assert [o.prompt_token_ids for o in outs] == [tok(t)["input_ids"] for t in texts]
     cos = _cos(outs, ref)
     assert cos.min().item() >= COS_MIN, cos.min()
     norms = torch.tensor([o.outputs.embedding for o in outs], dtype=torch.float64).norm(dim=-1)
@@ -129,6 +131,8 @@ def test_truncation_keeps_unit_norm_and_matches_hf(reference, llm_fp32):
     for o in outs:
         assert len(o.prompt_token_ids) == 12 and o.prompt_token_ids[-1] == tok.sep_token_id
         assert abs(torch.tensor(o.outputs.embedding, dtype=torch.float64).norm().item() - 1) < 1e-6
+    # The truncating encode left the tokenizer truncating: the next batch encode is whole.
+    assert [o.prompt_token_ids for o in llm_fp32.embed(long)] == [tok(t)["input_ids"] for t in long]
     with pytest.raises(ValueError, match="matryoshka"):
         llm_fp32.embed("hello", PoolingParams(dimensions=32))
     raw = llm_fp32.embed("hello", PoolingParams(normalize=False))[0].outputs.embedding

@@ -326,3 +326,43 @@ def test_encoder_attention_matches_per_sequence_sdpa(heads, head_dim):
     assert torch.equal(alone, out[s : s + n])
     leaky = _per_sequence_sdpa(q, k, v, [total])
     assert not torch.allclose(out[:total], leaky, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("rows", "width"), [(64, 1536), (3, 20)])
+def test_bias_gelu_equals_torch_erf_gelu(rows, width):
+    """Within float32 noise of F.gelu(x + bias) in float64, as close as torch's own (row tails
+    of 16 lanes, large |x| where erf saturates). Broken twin: the tanh GELU fails the bound."""
+    torch.manual_seed(6)
+    x = torch.randn(rows, width) * 4
+    x[0, :4] = torch.tensor([-30.0, 30.0, -9.0, 0.0])
+    bias = torch.randn(width)
+    ref = F.gelu((x + bias).double())
+    tol = 2e-6 * (1 + ref.abs())
+    assert ((F.gelu(x + bias) - ref).abs() <= tol).all()  # the bound holds torch's own GELU
+    got = cpu_kernels.bias_gelu_f32_(fn, x.clone(), bias)
+    assert ((got - ref).abs() <= tol).all()
+    assert not ((F.gelu(x + bias, approximate="tanh") - ref).abs() <= tol).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize(("rows", "width"), [(64, 384), (3, 20)])
+def test_add_layernorm_equals_torch(rows, width):
+    """LayerNorm(x + bias + residual) in one pass, in place or not, bias or residual absent.
+    Broken twin: without the residual it fails the same tolerance."""
+    torch.manual_seed(7)
+    x, residual = torch.randn(rows, width) * 3, torch.randn(rows, width)
+    bias, w, b = torch.randn(width), torch.randn(width), torch.randn(width)
+
+    def ref(h):
+        return F.layer_norm(h.double(), (width,), w.double(), b.double(), 1e-12).float()
+
+    got = cpu_kernels.add_layernorm_f32(fn, x, bias, residual, w, b, 1e-12)
+    assert torch.allclose(got, ref(x + bias + residual), atol=1e-5)
+    inplace = x.clone()
+    cpu_kernels.add_layernorm_f32(fn, inplace, None, residual, w, b, 1e-12, out=inplace)
+    assert torch.allclose(inplace, ref(x + residual), atol=1e-5)
+    assert torch.allclose(cpu_kernels.add_layernorm_f32(fn, x, None, None, w, b, 1e-12), ref(x),
+                          atol=1e-5)
+    assert not torch.allclose(cpu_kernels.add_layernorm_f32(fn, x, bias, None, w, b, 1e-12),
+                              ref(x + bias + residual), atol=1e-5)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +37,7 @@ from ingot.engine.prompt_embeds import (
     content_hash,
 )
 from ingot.engine.sampling_params import SamplingParams
-from ingot.engine.tokenizer import load_tokenizer
+from ingot.engine.tokenizer import encode_texts, load_tokenizer
 from ingot.errors import PromptTooLongError
 from ingot.worker.executor import RpcMethod
 
@@ -223,6 +223,21 @@ class LLMEngine:
         return check_prompt_embeds(prompt["prompt_embeds"], mc.hidden_size, mc.max_model_len)
 
     # ---- pooling requests ------------------------------------------------------------------
+    def pretokenize(
+        self, prompts: Sequence[PromptType], truncate: Sequence[int | None]
+    ) -> list[PromptType]:
+        """The text prompts that would be encoded one by one (non-empty, no truncation),
+        encoded in one batch (``encode_texts``) into ``{"prompt", "prompt_token_ids"}``
+        prompts, which give the same ids; every other prompt is returned as it is."""
+        out = list(prompts)
+        todo = [i for i, (p, k) in enumerate(zip(prompts, truncate, strict=True))
+                if isinstance(p, str) and p and k is None]
+        if self.tokenizer is None or len(todo) < 2:
+            return out
+        for i, ids in zip(todo, encode_texts(self.tokenizer, [out[i] for i in todo]), strict=True):
+            out[i] = {"prompt": out[i], "prompt_token_ids": ids}
+        return out
+
     def pooling_prompt(
         self, prompt: PromptType, truncate_prompt_tokens: int | None = None
     ) -> tuple[str | None, list[int], list[int]]:

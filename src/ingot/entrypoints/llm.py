@@ -115,6 +115,7 @@ class LLM:
                 p.task = pooling_task
             resolved.append(p)
         engine = self.llm_engine
+        prompt_list = engine.pretokenize(prompt_list, [p.truncate_prompt_tokens for p in resolved])
         ids: list[str] = []
         try:
             for prompt, params in zip(prompt_list, resolved, strict=True):

@@ -663,6 +663,91 @@ void ingot_encoder_attention_f32(const float *q, const float *k, const float *v,
 }
 
 /* ---------------------------------------------------------------------------------------- */
+/* Epilogues of a float32 linear computed without its bias (BERT encoders): one pass over the
+   rows instead of torch's bias copy (addmm), add and norm passes, each a full sweep of the
+   activations and its own OpenMP region. */
+
+static inline __mmask16 tail16(int64_t left) {
+    return (__mmask16)(left >= 16 ? 0xffffu : (1u << left) - 1u);
+}
+
+/* erf as torch's Vectorized<float>::erf: Abramowitz-Stegun 7.1.26, |error| < 1.5e-7. */
+static inline __m512 erf_ps(__m512 x) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512 d = _mm512_fmadd_ps(_mm512_set1_ps(0.3275911f), _mm512_abs_ps(x), one);
+    /* t = 1 / d: rcp14 and one Newton step (~23 bits; a vdivps would cost more than all the
+       rest of the GELU). */
+    __m512 t = _mm512_rcp14_ps(d);
+    t = _mm512_mul_ps(t, _mm512_fnmadd_ps(d, t, _mm512_set1_ps(2.0f)));
+    __m512 r = _mm512_fmadd_ps(_mm512_set1_ps(1.061405429f), t, _mm512_set1_ps(-1.453152027f));
+    r = _mm512_fmadd_ps(r, t, _mm512_set1_ps(1.421413741f));
+    r = _mm512_fmadd_ps(r, t, _mm512_set1_ps(-0.284496736f));
+    r = _mm512_fmadd_ps(r, t, _mm512_set1_ps(0.254829592f));
+    /* Past x^2 = 80, 1 - e t r rounds to 1 in float32 anyway; clamping keeps e normal
+       (a denormal e costs a microcode assist per lane). */
+    const __m512 x2 = _mm512_min_ps(_mm512_mul_ps(x, x), _mm512_set1_ps(80.0f));
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2));
+    const __m512 y = _mm512_fnmadd_ps(_mm512_mul_ps(e, t), r, one); /* 1 - e t r, >= 0 */
+    const __m512i sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN));
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(y), sign)); /* x's sign */
+}
+
+/* x[m, n] = gelu(x[m, n] + bias[n]) in place, GELU with erf as torch's: x/2 (1 + erf(x/sqrt2)). */
+void ingot_bias_gelu_f32(float *x, const float *bias, int64_t M, int64_t N, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (M * N >= 32768)
+    for (int64_t m = 0; m < M; m++) {
+        float *row = x + m * N;
+        for (int64_t n = 0; n < N; n += 16) {
+            const __mmask16 mk = tail16(N - n);
+            const __m512 h = _mm512_add_ps(_mm512_maskz_loadu_ps(mk, row + n),
+                                           _mm512_maskz_loadu_ps(mk, bias + n));
+            const __m512 g = _mm512_mul_ps(_mm512_mul_ps(h, _mm512_set1_ps(0.5f)),
+                _mm512_add_ps(_mm512_set1_ps(1.0f),
+                              erf_ps(_mm512_mul_ps(h, _mm512_set1_ps(0.70710678118654752f)))));
+            _mm512_mask_storeu_ps(row + n, mk, g);
+        }
+    }
+}
+
+/* out[m] = LayerNorm(x[m] + bias + residual[m]) * w + b over rows of N floats (bias and
+   residual may be NULL; out may be x): two passes over the row for mean then variance (biased,
+   as torch), the row staying in L1 between them. */
+void ingot_add_layernorm_f32(const float *x, const float *bias, const float *residual,
+                             const float *w, const float *b, float *out, int64_t M, int64_t N,
+                             float eps, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (M * N >= 32768)
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * N;
+        const float *rr = residual ? residual + m * N : 0;
+        float *o = out + m * N;
+        __m512 s = _mm512_setzero_ps();
+        for (int64_t n = 0; n < N; n += 16) {
+            const __mmask16 mk = tail16(N - n);
+            __m512 h = _mm512_maskz_loadu_ps(mk, xr + n);
+            if (bias) h = _mm512_add_ps(h, _mm512_maskz_loadu_ps(mk, bias + n));
+            if (rr) h = _mm512_add_ps(h, _mm512_maskz_loadu_ps(mk, rr + n));
+            _mm512_mask_storeu_ps(o + n, mk, h);
+            s = _mm512_add_ps(s, h);
+        }
+        const float mean = _mm512_reduce_add_ps(s) / (float)N;
+        const __m512 mv = _mm512_set1_ps(mean);
+        __m512 v = _mm512_setzero_ps();
+        for (int64_t n = 0; n < N; n += 16) {
+            const __mmask16 mk = tail16(N - n);
+            const __m512 d = _mm512_maskz_sub_ps(mk, _mm512_maskz_loadu_ps(mk, o + n), mv);
+            v = _mm512_fmadd_ps(d, d, v);
+        }
+        const __m512 rstd = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(v) / (float)N + eps));
+        for (int64_t n = 0; n < N; n += 16) {
+            const __mmask16 mk = tail16(N - n);
+            const __m512 d = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, o + n), mv), rstd);
+            _mm512_mask_storeu_ps(o + n, mk, _mm512_fmadd_ps(d, _mm512_maskz_loadu_ps(mk, w + n),
+                                                             _mm512_maskz_loadu_ps(mk, b + n)));
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------- */
 /* A mixture-of-experts block in one call: out[t] = sum_j w[t, j] * down_e(silu(gate_e(x[t]))
    * up_e(x[t])) over the slots j of token t whose expert e = ids[t, j] - e0 is one of the E
    local experts (0 <= e < E; other slots contribute nothing, so an EP/TP shard's partial sum

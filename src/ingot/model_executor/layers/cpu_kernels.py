@@ -75,6 +75,8 @@ class CpuKernels:
         self.encoder_attention = self._bind(
             lib.ingot_encoder_attention_f32, [p] * 3 + [i64, p, i64, p] + [i64] * 3 + [f32, p, i64, i32]
         )
+        self.bias_gelu = self._bind(lib.ingot_bias_gelu_f32, [p, p, i64, i64, i32])
+        self.add_layernorm = self._bind(lib.ingot_add_layernorm_f32, [p] * 6 + [i64] * 2 + [f32, i32])
         moe_args = [p] * 6 + [i64] * 6 + [i32]
         self.fused_moe = {torch.bfloat16: self._bind(lib.ingot_fused_moe_bf16, moe_args),
                           torch.float32: self._bind(lib.ingot_fused_moe_f32, moe_args)}
@@ -375,6 +377,38 @@ def encoder_attention_f32(
         out.stride(0), starts.data_ptr(), starts.numel() - 1, num_heads, head_dim, scale,
         scratch.data_ptr(), per_thread, threads,
     )
+    return out
+
+
+def bias_gelu_f32_(kernels: CpuKernels, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """x = gelu(x + bias) in place (erf GELU, as ``F.gelu``): x [M, N] contiguous float32, bias
+    [N] float32. The epilogue of a linear run without its bias (``torch.mm``)."""
+    assert x.is_contiguous() and x.dtype == torch.float32 and bias.dtype == torch.float32
+    m, n = x.shape
+    kernels.bias_gelu(x.data_ptr(), bias.data_ptr(), m, n, torch.get_num_threads())
+    return x
+
+
+def add_layernorm_f32(
+    kernels: CpuKernels,
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    norm_bias: torch.Tensor,
+    eps: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``F.layer_norm(x + bias + residual, weight, norm_bias, eps)`` over the last dim of
+    float32 rows in one pass (bias / residual may be None); ``out`` may be ``x`` (in place)."""
+    x = x.contiguous()
+    n = x.shape[-1]
+    if residual is not None:
+        residual = residual.contiguous()
+    out = torch.empty_like(x) if out is None else out
+    kernels.add_layernorm(x.data_ptr(), _ptr(bias), _ptr(residual), weight.data_ptr(),
+                          norm_bias.data_ptr(), out.data_ptr(), x.numel() // n, n, eps,
+                          torch.get_num_threads())
     return out
 
 

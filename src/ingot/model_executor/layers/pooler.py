@@ -80,10 +80,10 @@ class Pooler:
         firsts = torch.tensor([s.first_row for s in segments], device=device)
         counts = torch.tensor([s.num_rows for s in segments], device=device)
         if self.pooling_type == "MEAN":
-            rows = torch.cat([torch.arange(s.first_row, s.first_row + s.num_rows) for s in segments])
-            owner = torch.repeat_interleave(torch.arange(len(segments)), counts.cpu())
-            reduced = torch.zeros(len(segments), hidden.shape[-1], dtype=torch.float32, device=device)
-            reduced.index_add_(0, owner.to(device), hidden[rows.to(device)].float())
+            # One sum per segment over its rows in place: each depends on its own rows only
+            # (batched == alone), and index_add_ over a gathered copy cost one small op per row.
+            reduced = torch.stack([hidden[s.first_row : s.first_row + s.num_rows].sum(0, dtype=torch.float32)
+                                   for s in segments])
         elif self.pooling_type == "CLS":
             reduced = hidden[firsts].float()
         else:
