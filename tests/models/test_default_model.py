@@ -11,7 +11,9 @@ from ingot import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 
-NEW_TOKENS = 32
+# 16: the HF reference recomputes the whole sequence for each token (paged_harness.hf_greedy),
+# the costliest fixture of the suite; every shape below still decodes past the prompt's end.
+NEW_TOKENS = 16
 _PARAGRAPH = (
     "The history of mathematics spans thousands of years, from counting marks on bones to "
     "abstract algebra. Ancient Babylonians used a base-60 system, Greeks formalised geometry, "

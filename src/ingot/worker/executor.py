@@ -81,6 +81,30 @@ class Executor(ABC):
         """Stop the workers (idempotent)."""
 
 
+
+class FanOutExecutor(Executor):
+    """An executor whose workers are elsewhere (processes, Ray actors): every call goes to
+    every rank and one reply gathers theirs (rank 0's output of a step, every rank's result of
+    a ``collective_rpc``). Subclasses say how a call travels (``_send``)."""
+
+    @abstractmethod
+    def _send(self, method: RpcMethod, args: Sequence[Any], kwargs: dict[str, Any] | None,
+              pick: Callable[[list[Any]], Any]) -> Future[Any]:
+        """Send one call to every rank; the future resolves to ``pick(results in rank order)``
+        and fails when a rank does."""
+
+    def collective_rpc(
+        self, method: RpcMethod, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        return self._send(method, args, kwargs, list).result()
+
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        reply = self._send("execute_model", (scheduler_output,), None, lambda r: r[0])
+        return reply if non_block else reply.result()
+
+
 class ComputeThread:
     """The one thread that runs a worker, from its construction (model load, warmup) to its
     last step; calls run in submission order.

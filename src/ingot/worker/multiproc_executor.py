@@ -36,10 +36,8 @@ from typing import Any
 import zmq
 
 from ingot.config import EngineConfig
-from ingot.core.sched_output import SchedulerOutput
 from ingot.errors import IngotError
-from ingot.worker.executor import Executor, RpcMethod, run_on_worker
-from ingot.worker.outputs import ModelRunnerOutput
+from ingot.worker.executor import FanOutExecutor, RpcMethod, run_on_worker
 
 logger = logging.getLogger("ingot")
 
@@ -406,7 +404,7 @@ def run_headless_workers(config: EngineConfig) -> int:
                                lambda r: (config, r, init), results, inbox, "worker rank")
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(FanOutExecutor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         parallel = config.parallel_config
@@ -499,17 +497,6 @@ class MultiprocExecutor(Executor):
                 pending.set_result(pick(self._gather(what=name)))
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on it
                 pending.set_exception(exc)
-
-    def collective_rpc(
-        self, method: RpcMethod, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
-    ) -> list[Any]:
-        return self._send(method, args, kwargs, list).result()
-
-    def execute_model(
-        self, scheduler_output: SchedulerOutput, non_block: bool = False
-    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
-        reply = self._send("execute_model", (scheduler_output,), None, lambda r: r[0])
-        return reply if non_block else reply.result()
 
     def check_health(self) -> None:
         assert self._children is not None

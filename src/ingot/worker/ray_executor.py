@@ -30,10 +30,8 @@ from concurrent.futures import Future
 from typing import Any
 
 from ingot.config import EngineConfig
-from ingot.core.sched_output import SchedulerOutput
-from ingot.worker.executor import Executor, RpcMethod, run_on_worker
+from ingot.worker.executor import FanOutExecutor, RpcMethod, run_on_worker
 from ingot.worker.multiproc_executor import STARTUP_TIMEOUT_S, WorkerProcessError
-from ingot.worker.outputs import ModelRunnerOutput
 
 logger = logging.getLogger("ingot")
 
@@ -109,7 +107,7 @@ class _Reply(Future):
         return super().result(timeout)
 
 
-class RayExecutor(Executor):
+class RayExecutor(FanOutExecutor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         ray = self._ray = import_ray()
@@ -184,17 +182,6 @@ class RayExecutor(Executor):
         refs = [w.call.remote(method, tuple(args), kwargs or {}) for w in self.workers]
         name = method if isinstance(method, str) else getattr(method, "__name__", "rpc")
         return _Reply(self, refs, name, pick)
-
-    def collective_rpc(
-        self, method: RpcMethod, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
-    ) -> list[Any]:
-        return self._send(method, args, kwargs, list).result()
-
-    def execute_model(
-        self, scheduler_output: SchedulerOutput, non_block: bool = False
-    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
-        reply = self._send("execute_model", (scheduler_output,), None, lambda r: r[0])
-        return reply if non_block else reply.result()
 
     def check_health(self) -> None:
         """Raise if an actor is gone (while a call waits, Ray resolves its refs with the
