@@ -6,6 +6,15 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "models"))
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # One rule for every test of ingot's C kernels: they run wherever the kernels build.
+    if item.get_closest_marker("needs_kernels") is not None:
+        from ingot.model_executor.layers.cpu_kernels import load_cpu_kernels
+
+        if load_cpu_kernels() is None:
+            pytest.skip("ingot's CPU kernels do not build here (no AVX512-BF16 or no C compiler)")
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     """A tiny random Llama with a byte-level tokenizer, saved as an HF directory."""

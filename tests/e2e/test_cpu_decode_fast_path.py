@@ -9,11 +9,8 @@ import torch
 from tiny import make_byte_tokenizer, make_tiny_model
 
 from ingot import LLM, SamplingParams
-from ingot.model_executor.layers.cpu_kernels import load_cpu_kernels
 
-pytestmark = pytest.mark.skipif(
-    load_cpu_kernels() is None, reason="no AVX512-BF16 or no C compiler here"
-)
+pytestmark = pytest.mark.needs_kernels
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])

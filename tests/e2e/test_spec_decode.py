@@ -252,12 +252,10 @@ def test_draft_with_another_vocabulary_is_refused(tiny_llama_dir, tmp_path):
                    speculative_config=_draft(tmp_path, 2)).create_engine_config()
 
 
+@pytest.mark.needs_kernels
 def test_kernel_sized_model_takes_the_cpu_decode_path(kernel_sized_dir):
     """The bf16 cases above exercise ingot's CPU decode program (when its kernels build)."""
-    from ingot.model_executor.layers.cpu_kernels import load_cpu_kernels
 
-    if load_cpu_kernels() is None:
-        pytest.skip("ingot's CPU kernels need AVX512-BF16 (not on this CPU)")
 
     def uses_fast_path(worker) -> bool:  # noqa: ANN001
         return worker.model_runner.model.decode_program is not None

@@ -135,6 +135,7 @@ def test_aux_hidden_states_are_the_named_layers_inputs(target_dir):
     assert not torch.allclose(aux[:, :H], ref[3][0], atol=1e-4)
 
 
+@pytest.mark.needs_kernels
 def test_cpu_decode_path_leaves_the_same_aux_states(tmp_path):
     """bf16 decode through ingot's CPU kernels (no modules) leaves what the module path does
     (head_dim 32: the kernels' smallest)."""
@@ -147,11 +148,8 @@ def test_cpu_decode_path_leaves_the_same_aux_states(tmp_path):
         bind_attention_backend,
         select_attention_backend,
     )
-    from ingot.model_executor.layers.cpu_kernels import load_cpu_kernels
     from ingot.model_executor.loader.model_loader import load_model
 
-    if load_cpu_kernels() is None:
-        pytest.skip("ingot's CPU kernels need AVX512-BF16 (not on this CPU)")
     make_tiny_model("llama", tmp_path, vocab_size=VOCAB, num_hidden_layers=8,
                     num_attention_heads=2, num_key_value_heads=1)
     config = Args(model=str(tmp_path), dtype="bfloat16").create_engine_config()

@@ -185,8 +185,6 @@ def test_moe_layer_wrong_experts_are_caught():
 
 # ---- ingot's fused expert kernel (cpu_kernels.c) ------------------------------------------------
 
-needs_kernels = pytest.mark.skipif(load_cpu_kernels() is None,
-                                   reason="ingot's CPU kernels do not build on this machine")
 # float32: reduction order only; bfloat16: the same rounding points, so a few ulps at most.
 KERNEL_TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5},
               torch.bfloat16: {"atol": 5e-2, "rtol": 1.6e-2}}
@@ -217,7 +215,7 @@ def _kernel_experts(layer: FusedMoE, x: torch.Tensor, weights: torch.Tensor,
     return layer.experts(x, weights, ids)
 
 
-@needs_kernels
+@pytest.mark.needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_experts, top_k", [(4, 1), (6, 2), (10, 8)])
 @pytest.mark.parametrize("num_tokens", [1, 37])
@@ -229,7 +227,7 @@ def test_fused_moe_kernel_equals_torch_path(dtype, num_experts, top_k, num_token
                                    **KERNEL_TOL[dtype])
 
 
-@needs_kernels
+@pytest.mark.needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_moe_kernel_broken_twins_fail(dtype):
     """The equality gate can fail: the kernel given the wrong experts, or the routing weights
@@ -258,7 +256,7 @@ def _shard(layer: FusedMoE, experts: range, inter: slice) -> FusedMoE:
     return part
 
 
-@needs_kernels
+@pytest.mark.needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_moe_kernel_on_expert_and_intermediate_shards(dtype):
     """The kernel takes a rank's shard (experts 3..5 of 8, half of the intermediate dim) with
@@ -282,7 +280,7 @@ def test_fused_moe_kernel_on_expert_and_intermediate_shards(dtype):
         torch.testing.assert_close(total.to(dtype), full, **KERNEL_TOL[dtype])
 
 
-@needs_kernels
+@pytest.mark.needs_kernels
 def test_bf16_moe_model_packs_its_experts_and_counts_them(tmp_path):
     """Loaded in bf16, every MoE layer reads packed experts (the plain copy released) and the
     resident weight bytes count the packed copy, as the KV budget needs."""

@@ -151,6 +151,34 @@ def test_bert_causal_mask_breaks_the_gate(tiny_bert, monkeypatch):
         llm.llm_engine.shutdown()
 
 
+@pytest.mark.needs_kernels
+def test_bert_fp32_blocks_bind_the_fused_epilogues(tiny_bert, monkeypatch):
+    """Every fp32 block takes ingot's fused epilogue kernels at load (the gates above run
+    through them); a GELU kernel handed a zero bias must then break the HF gate, and bf16
+    blocks (oneDNN's own fused linears) take none."""
+    from ingot.model_executor.layers.cpu_kernels import bind_cpu_kernels
+
+    config = bert_config(vocab_size=512)
+    assert bind_cpu_kernels(ingot_bert.BertModel(config)) == 1 + 3 * config.num_hidden_layers
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        assert bind_cpu_kernels(ingot_bert.BertModel(config)) == 0
+    finally:
+        torch.set_default_dtype(previous)
+
+    path, hf = tiny_bert
+    real = ingot_bert.bias_gelu_f32_
+    monkeypatch.setattr(ingot_bert, "bias_gelu_f32_",
+                        lambda kernels, x, bias: real(kernels, x, torch.zeros_like(bias)))
+    llm = _llm(path, pooler_config={"pooling_type": "MEAN"})
+    try:
+        outs = llm.embed(PROMPTS)
+        assert min(_cosines(outs, [_hf_pool(hf, p, "MEAN") for p in PROMPTS])) < COS_MIN
+    finally:
+        llm.llm_engine.shutdown()
+
+
 @pytest.fixture(scope="module")
 def tiny_cross_encoder(tmp_path_factory):
     path, hf = make_tiny_cross_encoder(tmp_path_factory.mktemp("tiny-ce"))

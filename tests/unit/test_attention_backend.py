@@ -18,12 +18,11 @@ from ingot.model_executor.layers.attention_backend import (
 from ingot.model_executor.layers.rotary import RotaryEmbedding
 
 kernels = cpu_kernels.load_cpu_kernels()
-needs_kernel = pytest.mark.skipif(kernels is None, reason="no AVX512-BF16 or no C compiler here")
 CPU, BF16 = torch.device("cpu"), torch.bfloat16
 HEADS = (4, 2, 32)
 
 
-@needs_kernel
+@pytest.mark.needs_kernels
 def test_cpu_kernels_serve_an_eager_bf16_model_over_a_bf16_cache():
     backend = select_attention_backend(CPU, BF16, BF16, False, HEADS)
     assert isinstance(backend, CpuKernelAttention) and backend.name == "cpu-kernels"
@@ -83,7 +82,7 @@ def _steps():
     return [prefill, decode, verify]
 
 
-@needs_kernel
+@pytest.mark.needs_kernels
 def test_cpu_kernels_equal_torch_on_prefill_decode_and_verification():
     layer = _Layer(32)
     caches = [torch.zeros(2, 4, 4, 2, 32, dtype=BF16) for _ in range(2)]
@@ -103,7 +102,7 @@ def test_cpu_kernels_equal_torch_on_prefill_decode_and_verification():
     assert not torch.allclose(broken[2], want[2], atol=2e-2, rtol=2e-2)
 
 
-@needs_kernel
+@pytest.mark.needs_kernels
 def test_the_cpu_kernel_backend_builds_no_decode_mask():
     table = torch.tensor([[1, 2]])
     args = (torch.tensor([5]), [1], torch.tensor([9]), table)
@@ -132,7 +131,7 @@ def _bound(path, dtype):
     return result
 
 
-@needs_kernel
+@pytest.mark.needs_kernels
 def test_an_engine_binds_one_backend_to_every_layer(tmp_path):
     from tiny import make_byte_tokenizer, make_tiny_model
 

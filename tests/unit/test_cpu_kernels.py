@@ -14,7 +14,6 @@ from ingot.model_executor.layers.rotary import RotaryEmbedding
 from ingot.model_executor.layers.sampler import greedy_argmax
 
 fn = cpu_kernels.load_cpu_kernels()
-needs_kernel = pytest.mark.skipif(fn is None, reason="no AVX512-BF16 or no C compiler here")
 
 
 def _reference(x, w, b):
@@ -26,7 +25,7 @@ def _within_one_rounding(y, ref, k):
     return ((y.float() - ref).abs() <= ref.abs() * 2.0**-8 + 1e-3 * k**0.5).all()
 
 
-@needs_kernel
+@pytest.mark.needs_kernels
 @pytest.mark.parametrize(
     ("m", "k", "n", "bias"),
     [(1, 576, 960, False), (3, 1536, 576, True), (8, 100, 37, True), (1, 64, 5, False),
@@ -43,7 +42,7 @@ def test_gemv_matches_float32_math_within_one_bf16_rounding(m, k, n, bias):
     assert _within_one_rounding(y, _reference(x, w, b), k)
 
 
-@needs_kernel
+@pytest.mark.needs_kernels
 def test_gemv_tolerance_catches_a_dropped_k_chunk():
     torch.manual_seed(1)
     x = torch.randn(1, 96).to(torch.bfloat16)
@@ -53,7 +52,7 @@ def test_gemv_tolerance_catches_a_dropped_k_chunk():
     assert not _within_one_rounding(broken, _reference(x, w, None), 96)
 
 
-@needs_kernel
+@pytest.mark.needs_kernels
 @pytest.mark.parametrize(("k", "n"), [(576, 960), (70, 100), (1536, 13)])
 def test_gemv_rows_are_the_same_whatever_the_row_count(k, n):
     """Speculative decoding's bit-exact greedy rests on this: a verification step computes
@@ -74,7 +73,7 @@ def test_gemv_rows_are_the_same_whatever_the_row_count(k, n):
         assert not torch.equal(onednn, cpu_kernels.gemv_bf16(fn, x, packed, n))
 
 
-@needs_kernel
+@pytest.mark.needs_kernels
 def test_packed_linear_uses_the_kernel_for_single_rows_only():
     torch.manual_seed(2)
     layer = ReplicatedLinear(64, 48, bias=True).to(torch.bfloat16)
@@ -95,7 +94,7 @@ def test_disabled_by_environment(monkeypatch):
     assert cpu_kernels.load_cpu_kernels() is None
 
 
-@needs_kernel
+@pytest.mark.needs_kernels
 @pytest.mark.parametrize(("rows", "width"), [(1, 576), (64, 576), (3, 100), (2, 16)])
 def test_rms_norm_equals_torch_bit_for_bit(rows, width):
     torch.manual_seed(3)
@@ -112,7 +111,7 @@ def test_rms_norm_equals_torch_bit_for_bit(rows, width):
     assert not torch.equal(cpu_kernels.rms_norm_bf16(fn, x, norm.weight, 1e-1), norm(x))
 
 
-@needs_kernel
+@pytest.mark.needs_kernels
 def test_rms_norm_module_uses_the_kernel_once_attached():
     norm = RMSNorm(64, 1e-6).to(torch.bfloat16)
     norm.weight.data.normal_()
@@ -123,7 +122,7 @@ def test_rms_norm_module_uses_the_kernel_once_attached():
     assert torch.equal(norm(x), expected)
 
 
-@needs_kernel
+@pytest.mark.needs_kernels
 @pytest.mark.parametrize(("rows", "inter"), [(1, 1536), (64, 1536), (2, 37)])
 def test_silu_mul_equals_torch(rows, inter):
     torch.manual_seed(5)
@@ -136,7 +135,7 @@ def test_silu_mul_equals_torch(rows, inter):
     assert torch.allclose(got.float(), ref.float(), rtol=2.0**-7, atol=0)
 
 
-@needs_kernel
+@pytest.mark.needs_kernels
 def test_argmax_equals_torch_including_ties_nan_and_inf():
     torch.manual_seed(6)
     logits = torch.randn(9, 49152).to(torch.bfloat16)
@@ -194,7 +193,7 @@ def _attention_case(num_reqs, width, heads, kv_heads, head_dim, block_size, seed
     return cache, table, seq_lens, positions, slots, q, k, v
 
 
-@needs_kernel
+@pytest.mark.needs_kernels
 @pytest.mark.parametrize("rotary", [False, True])
 @pytest.mark.parametrize(
     ("num_reqs", "width", "heads", "kv_heads", "head_dim", "block_size", "window"),
@@ -245,7 +244,7 @@ def test_decode_attention_writes_the_cache_and_matches_sdpa(
     assert not _close(shorter, ref) or (seq_lens == 1).all()
 
 
-@needs_kernel
+@pytest.mark.needs_kernels
 def test_write_kv_equals_the_torch_write_and_skips_padding():
     from ingot.model_executor.layers.attention import write_kv_cache
 
@@ -262,7 +261,7 @@ def test_write_kv_equals_the_torch_write_and_skips_padding():
     assert not torch.equal(got, cache)
 
 
-@needs_kernel
+@pytest.mark.needs_kernels
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
 def test_rope_write_kv_equals_torch_rotary_and_write(heads, kv_heads, head_dim):
     from ingot.model_executor.layers.attention import write_kv_cache
@@ -303,7 +302,7 @@ def _per_sequence_sdpa(q, k, v, lens):
     return torch.cat(out)
 
 
-@needs_kernel
+@pytest.mark.needs_kernels
 @pytest.mark.parametrize(("heads", "head_dim"), [(12, 32), (2, 16), (4, 64)])
 def test_encoder_attention_matches_per_sequence_sdpa(heads, head_dim):
     """Packed sequences of 1-130 rows (tails of 4-row and 16-key blocks), read in place from a
@@ -328,7 +327,7 @@ def test_encoder_attention_matches_per_sequence_sdpa(heads, head_dim):
     assert not torch.allclose(out[:total], leaky, atol=1e-5)
 
 
-@needs_kernel
+@pytest.mark.needs_kernels
 @pytest.mark.parametrize(("rows", "width"), [(64, 1536), (3, 20)])
 def test_bias_gelu_equals_torch_erf_gelu(rows, width):
     """Within float32 noise of F.gelu(x + bias) in float64, as close as torch's own (row tails
@@ -345,7 +344,7 @@ def test_bias_gelu_equals_torch_erf_gelu(rows, width):
     assert not ((F.gelu(x + bias, approximate="tanh") - ref).abs() <= tol).all()
 
 
-@needs_kernel
+@pytest.mark.needs_kernels
 @pytest.mark.parametrize(("rows", "width"), [(64, 384), (3, 20)])
 def test_add_layernorm_equals_torch(rows, width):
     """LayerNorm(x + bias + residual) in one pass, in place or not, bias or residual absent.

@@ -316,14 +316,12 @@ def test_max_threads_must_be_positive() -> None:
         AdaptiveThreads(0)
 
 
+@pytest.mark.needs_kernels
 def test_bind_pins_the_calling_threads_team() -> None:
     import os
 
-    from ingot.model_executor.layers.cpu_kernels import load_cpu_kernels
     from ingot.platforms.cpu_threads import _bind_current_team
 
-    if load_cpu_kernels() is None:
-        pytest.skip("ingot's CPU kernels are not available here (no compiler or AVX512-BF16)")
     before = os.sched_getaffinity(0)
     cpu = max(before)
     try:

@@ -460,3 +460,13 @@ def fused_moe(
         raise MemoryError(f"fused MoE kernel: no memory for the work buffers of {num_tokens} "
                           f"tokens x {ids.shape[1]} experts (lower --max-num-batched-tokens)")
     return out
+
+
+def bind_cpu_kernels(model: torch.nn.Module) -> int:
+    """Offer ingot's CPU kernels to every layer of ``model`` that has a path through them (a
+    ``bind_cpu_kernels(kernels) -> bool`` method: MoE experts, BERT's fused epilogues). Each
+    decides once, here at load, from the weights it holds, so forwards test nothing; returns
+    how many layers took them."""
+    layers = [m for m in model.modules() if callable(getattr(m, "bind_cpu_kernels", None))]
+    kernels = load_cpu_kernels() if layers else None
+    return sum(bool(layer.bind_cpu_kernels(kernels)) for layer in layers)

@@ -46,7 +46,6 @@ from ingot.distributed.sequence_parallel import reduce_partial
 from ingot.model_executor.layers.cpu_kernels import (
     CpuKernels,
     fused_moe,
-    load_cpu_kernels,
     pack_moe_weights,
 )
 from ingot.model_executor.layers.linear import (
@@ -291,11 +290,3 @@ class FusedMoE(nn.Module):
         ys = (ys.float() * scale[:, None]).to(x.dtype)
         out.index_add_(0, tokens, ys)
         return out
-
-
-def bind_moe_kernels(model: nn.Module) -> int:
-    """Give every MoE layer of ``model`` ingot's fused expert kernel where it applies (see
-    :meth:`FusedMoE.bind_cpu_kernels`); returns how many layers took it."""
-    layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
-    kernels = load_cpu_kernels() if layers else None
-    return sum(layer.bind_cpu_kernels(kernels) for layer in layers)

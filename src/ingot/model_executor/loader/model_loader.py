@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ingot.config import ModelConfig
-from ingot.model_executor.layers.fused_moe import bind_moe_kernels
+from ingot.model_executor.layers.cpu_kernels import bind_cpu_kernels
 from ingot.model_executor.layers.linear import (
     cpu_packed_linear_supported,
     pack_linear_weights,
@@ -65,7 +65,7 @@ def load_model(
     ):
         pack_linear_weights(model, keep_plain=keep_plain_weights)
     if device.type == "cpu":
-        bind_moe_kernels(model)  # MoE experts in one C call per layer where the kernel applies
+        bind_cpu_kernels(model)  # layers with a path through ingot's C kernels choose it once
     nbytes = resident_weight_bytes(model)
     logger.info(
         "loaded %s (%s, %.1f MB resident, derived kernel layouts included) in %.2fs",

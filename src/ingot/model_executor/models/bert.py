@@ -26,7 +26,6 @@ from ingot.model_executor.layers.cpu_kernels import (
     CpuKernels,
     add_layernorm_f32,
     bias_gelu_f32_,
-    load_cpu_kernels,
 )
 from ingot.model_executor.layers.linear import QKVLinear, ReplicatedLinear, default_weight_loader
 
@@ -62,16 +61,30 @@ def _layer_norm(size: int, eps: float) -> nn.LayerNorm:
     return norm
 
 
-def _fused_kernels(x: torch.Tensor) -> CpuKernels | None:
-    """ingot's CPU kernels where they serve ``x``: float32 on a CPU that builds them. There a
-    linear runs without its bias (``torch.mm``) and one kernel applies the bias with what
-    follows it (GELU, or the residual add and LayerNorm): torch's addmm would first copy the
-    bias into the output, then the add, the norm and GELU would each sweep the activations
-    again. Measured at one thread: those passes were ~15% of an encoder step, beside ~80% in
-    the GEMMs."""
-    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
-        return None
-    return load_cpu_kernels()
+class _FusedEpilogue(nn.Module):
+    """A BERT block whose linear can run without its bias (``torch.mm``) and hand the bias to
+    one of ingot's fp32 CPU kernels with what follows it (GELU, or the residual add and
+    LayerNorm): torch's addmm would first copy the bias into the output, then the add, the norm
+    and GELU would each sweep the activations again. Measured at one thread: those passes were
+    ~15% of an encoder step, beside ~80% in the GEMMs. Whether the kernels apply is decided
+    once, at load (``bind_cpu_kernels``), from the weights this block holds."""
+
+    cpu_kernels: CpuKernels | None = None
+
+    def bind_cpu_kernels(self, kernels: CpuKernels | None) -> bool:
+        weight = self._kernel_weight()
+        applies = (kernels is not None and weight.dtype == torch.float32
+                   and weight.device.type == "cpu" and self._kernel_applies())
+        self.cpu_kernels = kernels if applies else None
+        return applies
+
+    def _kernel_weight(self) -> torch.Tensor:
+        return self.dense.weight
+
+    def _kernel_applies(self) -> bool:
+        # A oneDNN-packed linear (bf16) keeps its own fused bias; the plain fp32 weight is
+        # what torch.mm reads.
+        return self.dense.packed_weight is None
 
 
 def _add_norm(kernels: CpuKernels, x: torch.Tensor, bias: torch.Tensor | None,
@@ -80,7 +93,7 @@ def _add_norm(kernels: CpuKernels, x: torch.Tensor, bias: torch.Tensor | None,
     return add_layernorm_f32(kernels, x, bias, residual, norm.weight, norm.bias, norm.eps, out=x)
 
 
-class BertEmbeddings(nn.Module):
+class BertEmbeddings(_FusedEpilogue):
     def __init__(self, config: Any) -> None:
         super().__init__()
         kind = getattr(config, "position_embedding_type", "absolute")
@@ -93,14 +106,19 @@ class BertEmbeddings(nn.Module):
             _loaded(emb.weight)
         self.LayerNorm = _layer_norm(config.hidden_size, config.layer_norm_eps)
 
+    def _kernel_weight(self) -> torch.Tensor:
+        return self.word_embeddings.weight
+
+    def _kernel_applies(self) -> bool:
+        return True
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         token_types = input_ids >> TOKEN_TYPE_SHIFT
         ids = input_ids & _TOKEN_MASK
         hidden = self.word_embeddings(ids) + self.position_embeddings(positions)
-        kernels = _fused_kernels(hidden)
-        if kernels is not None:
-            return _add_norm(kernels, hidden, None, self.token_type_embeddings(token_types),
-                             self.LayerNorm)
+        if self.cpu_kernels is not None:
+            return _add_norm(self.cpu_kernels, hidden, None,
+                             self.token_type_embeddings(token_types), self.LayerNorm)
         return self.LayerNorm(hidden + self.token_type_embeddings(token_types))
 
 
@@ -120,7 +138,7 @@ class BertSelfAttention(nn.Module):
         return encoder_attention(q.reshape(shape), k.reshape(shape), v.reshape(shape), meta, self.scale)
 
 
-class BertOutput(nn.Module):
+class BertOutput(_FusedEpilogue):
     """dense -> residual add -> LayerNorm (post-norm, as BERT)."""
 
     def __init__(self, in_size: int, config: Any) -> None:
@@ -129,10 +147,9 @@ class BertOutput(nn.Module):
         self.LayerNorm = _layer_norm(config.hidden_size, config.layer_norm_eps)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        kernels = _fused_kernels(hidden)
-        if kernels is not None and self.dense.packed_weight is None:
-            return _add_norm(kernels, torch.mm(hidden, self.dense.weight.t()), self.dense.bias,
-                             residual, self.LayerNorm)
+        if self.cpu_kernels is not None:
+            return _add_norm(self.cpu_kernels, torch.mm(hidden, self.dense.weight.t()),
+                             self.dense.bias, residual, self.LayerNorm)
         return self.LayerNorm(self.dense(hidden) + residual)
 
 
@@ -146,7 +163,7 @@ class BertAttention(nn.Module):
         return self.output(self.self(hidden, meta), hidden)
 
 
-class BertIntermediate(nn.Module):
+class BertIntermediate(_FusedEpilogue):
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.dense = ReplicatedLinear(config.hidden_size, config.intermediate_size, bias=True)
@@ -156,10 +173,13 @@ class BertIntermediate(nn.Module):
         self.act = _ACTIVATIONS[act]
         self.exact_gelu = act == "gelu"  # the kernel's activation
 
+    def _kernel_applies(self) -> bool:
+        return self.exact_gelu and super()._kernel_applies()
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        kernels = _fused_kernels(hidden) if self.exact_gelu else None
-        if kernels is not None and self.dense.packed_weight is None:
-            return bias_gelu_f32_(kernels, torch.mm(hidden, self.dense.weight.t()), self.dense.bias)
+        if self.cpu_kernels is not None:
+            return bias_gelu_f32_(self.cpu_kernels, torch.mm(hidden, self.dense.weight.t()),
+                                  self.dense.bias)
         return self.act(self.dense(hidden))
 
 
