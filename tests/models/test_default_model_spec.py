@@ -17,6 +17,9 @@ ASKS = ["Rename merge_sorted to merge and repeat the code exactly otherwise:",
         "Repeat this code, adding a docstring:", "Copy this code exactly:",
         "Rewrite this code with comments:", "Repeat the code below twice:",
         "Change i and j to left and right in this code:"]
+# 64 tokens: the copies accept 57 drafted tokens over the two single requests (94 at 96 tokens),
+# well above the bound below, and the batch still decodes far past each prompt.
+MAX_TOKENS = 64
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
         "prompt_lookup_max": 4, "adaptive": False}
 
@@ -31,7 +34,7 @@ def _prompts(llm: LLM) -> list[str]:
 def reference():
     llm = LLM(max_model_len=1024, max_num_seqs=8)
     prompts = _prompts(llm)
-    params = SamplingParams(temperature=0, max_tokens=96)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     single = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts[:2]]
     batch = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     return prompts, single, batch
@@ -41,7 +44,7 @@ def reference():
 def test_default_model_greedy_identical_with_ngram(reference):
     prompts, single, batch = reference
     llm = LLM(max_model_len=1024, max_num_seqs=8, speculative_config=SPEC)
-    params = SamplingParams(temperature=0, max_tokens=96)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     assert [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts[:2]] == single
     stats = llm.llm_engine.get_stats()["spec_decode"]
     assert stats.num_accepted_tokens > 40  # the comparison covered many accepted drafts
