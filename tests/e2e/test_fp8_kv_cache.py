@@ -68,8 +68,23 @@ def test_dequantised_cache_matches_the_bf16_cache_within_rounding(tiny_llama_dir
     assert not torch.equal(k8, k_ref)  # the cache really is quantised
 
 
+# The default model with the bf16 and the FP8 cache, built once for both gates below (each
+# engine's start-up is most of their cost).
+DEFAULT_KW = dict(max_model_len=512, max_num_seqs=16, enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
+def bf16_engine():
+    return LLM(**DEFAULT_KW)
+
+
+@pytest.fixture(scope="module")
+def fp8_engine():
+    return LLM(kv_cache_dtype="fp8", **DEFAULT_KW)
+
+
 @pytest.mark.slow
-def test_default_model_fp8_logprobs_stay_within_tolerance():
+def test_default_model_fp8_logprobs_stay_within_tolerance(bf16_engine, fp8_engine):
     """Teacher-forced prompt logprobs of the default model with the FP8 cache against the bf16
     cache. The tolerance is the one documented in docs/features.md. (Greedy continuations
     drift apart sooner: see docs/PERFORMANCE.md / the issue notes for measured agreement.)"""
@@ -80,10 +95,8 @@ def test_default_model_fp8_logprobs_stay_within_tolerance():
         "Photosynthesis is the process by which plants turn light into chemical energy.",
     ]
     probe = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    kw = dict(max_model_len=512, max_num_seqs=4, enable_prefix_caching=False)
     lps = {}
-    for dtype in ("auto", "fp8"):
-        llm = LLM(kv_cache_dtype=dtype, **kw)
+    for dtype, llm in (("auto", bf16_engine), ("fp8", fp8_engine)):
         lps[dtype] = [
             [e[t].logprob for t, e in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:], strict=True)]
             for o in llm.generate(prompts, probe)
@@ -112,7 +125,7 @@ def _teacher_forced_agreement(llm, prompt_ids, continuations):
 
 
 @pytest.mark.slow
-def test_default_model_fp8_greedy_agreement_and_a_broken_scale_fails():
+def test_default_model_fp8_greedy_agreement_and_a_broken_scale_fails(bf16_engine, fp8_engine):
     """Issue #6's agreement gate, measured teacher-forced (see docs/features.md for why: whole
     32-token continuations of this 135M model are not even stable between fp32 and bf16
     weights, 10/16, so a count of identical continuations measures near-ties, not the cache).
@@ -120,19 +133,24 @@ def test_default_model_fp8_greedy_agreement_and_a_broken_scale_fails():
     bf16 vs fp32 weights: 98.4%); the same engine with wrong scales must fall below."""
     from ingot.accuracy.validate import DEFAULT_PROMPTS
 
-    kw = dict(max_model_len=512, max_num_seqs=16, enable_prefix_caching=False)
     greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    ref = LLM(**kw)
-    outs = ref.generate(list(DEFAULT_PROMPTS), greedy)
+    outs = bf16_engine.generate(list(DEFAULT_PROMPTS), greedy)
     prompt_ids = [list(o.prompt_token_ids) for o in outs]
     continuations = [list(o.outputs[0].token_ids) for o in outs]
-    del ref
 
-    fp8 = LLM(kv_cache_dtype="fp8", **kw)
+    fp8 = fp8_engine
     assert _teacher_forced_agreement(fp8, prompt_ids, continuations) >= 0.90
 
-    # Broken: scales 10000x too large round most K/V to zero or e4m3 subnormals.
-    for layer in fp8.llm_engine.engine_core.executor.worker.model.model.layers:
-        layer.self_attn.kv_scales.k_scale *= 10000
-        layer.self_attn.kv_scales.v_scale *= 10000
-    assert _teacher_forced_agreement(fp8, prompt_ids, continuations) < 0.90
+    # Broken: scales 10000x too large round most K/V to zero or e4m3 subnormals (restored
+    # after, the engine is the module's).
+    scales = [layer.self_attn.kv_scales
+              for layer in fp8.llm_engine.engine_core.executor.worker.model.model.layers]
+    saved = [(s.k_scale, s.v_scale) for s in scales]
+    try:
+        for s in scales:
+            s.k_scale *= 10000
+            s.v_scale *= 10000
+        assert _teacher_forced_agreement(fp8, prompt_ids, continuations) < 0.90
+    finally:
+        for s, (k_scale, v_scale) in zip(scales, saved, strict=True):
+            s.k_scale, s.v_scale = k_scale, v_scale
