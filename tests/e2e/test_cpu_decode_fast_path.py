@@ -108,20 +108,26 @@ def test_a_corrupted_weight_pointer_would_be_seen(engine):
 
 
 def test_packed_linears_hold_one_copy_per_kernel_layout(engine):
-    """Each linear keeps only the layouts its kernels read (oneDNN-packed, GEMV-blocked): the
-    plain weight is released, except a weight another module shares (a tied head is the
-    embedding's table). The model's tokens above come from exactly these layouts."""
+    """Each linear keeps only the layouts its kernels read (GEMV-blocked, and for more rows
+    ingot's GEMM layout on CPUs without AMX or oneDNN's packing, never both): the plain weight
+    is released, except a weight another module shares (a tied head is the embedding's
+    table). The model's tokens above come from exactly these layouts."""
+    from ingot.model_executor.layers.cpu_kernels import gemm_preferred
     from ingot.model_executor.layers.linear import LinearBase, resident_weight_bytes
 
     llm, model = engine
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     for lin in linears:
-        assert lin.packed_weight is not None and lin.gemv_weight is not None
+        wide = (lin.gemm_weight, lin.packed_weight) if gemm_preferred() else \
+            (lin.packed_weight, lin.gemm_weight)
+        assert wide[0] is not None and wide[1] is None and lin.gemv_weight is not None
         kept = lin is model.lm_head and tied
         assert (lin.weight.numel() > 0) == kept, lin
     plain = sum(p.numel() * p.element_size() for p in model.parameters())
-    derived = sum(lin.packed_weight.numel() * 2 + lin.gemv_weight.numel() * 2 for lin in linears)
+    derived = sum(2 * (lin.gemv_weight.numel() + (lin.gemm_weight if gemm_preferred() else
+                                                  lin.packed_weight).numel())
+                  for lin in linears)
     biases = sum(lin.bias_f32.numel() * 4 for lin in linears if lin.bias_f32 is not None)
     assert resident_weight_bytes(model) == plain + derived + biases
     assert llm.llm_engine.startup_stats()["load_bytes"] == resident_weight_bytes(model)

@@ -74,6 +74,95 @@ def test_gemv_rows_are_the_same_whatever_the_row_count(k, n):
 
 
 @pytest.mark.needs_kernels
+@pytest.mark.parametrize(
+    ("m", "k", "n", "bias"),
+    [(4, 576, 960, True), (37, 1536, 576, False), (9, 100, 37, True), (1, 2, 5, False),
+     (70, 64, 200, True), (300, 576, 49, False)],
+)
+def test_gemm_matches_float32_math_within_one_bf16_rounding(m, k, n, bias):
+    """Every row-tile (8) and output-tile (48) tail, K not a multiple of 32, a bias."""
+    torch.manual_seed(0)
+    x = torch.randn(m, k).to(torch.bfloat16)
+    w = torch.randn(n, k).to(torch.bfloat16)
+    b = torch.randn(n).to(torch.bfloat16) if bias else None
+    packed = cpu_kernels.pack_gemm_weight(fn, w)
+    y = cpu_kernels.gemm_bf16(fn, x, packed, n, None if b is None else b.float())
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    assert _within_one_rounding(y, _reference(x, w, b), k)
+
+
+@pytest.mark.needs_kernels
+def test_gemm_tolerance_catches_a_misread_pair():
+    """Broken twin: weights packed with each k pair swapped (the layout read the wrong way)."""
+    torch.manual_seed(1)
+    x = torch.randn(16, 96).to(torch.bfloat16)
+    w = torch.randn(40, 96).to(torch.bfloat16)
+    swapped = w.view(40, 48, 2).flip(-1).reshape(40, 96).contiguous()
+    broken = cpu_kernels.gemm_bf16(fn, x, cpu_kernels.pack_gemm_weight(fn, swapped), 40)
+    assert not _within_one_rounding(broken, _reference(x, w, None), 96)
+
+
+@pytest.mark.needs_kernels
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gemm_rows_are_the_same_whatever_the_batch(threads):
+    """Each output is one FMA chain over k whatever rows share the call, their tiling or the
+    thread that takes the item: a request's prefill or decode row is bit-identical batched
+    and alone (batch invariance)."""
+    torch.manual_seed(4)
+    x = torch.randn(45, 576).to(torch.bfloat16)
+    w = torch.randn(200, 576).to(torch.bfloat16)
+    b = torch.randn(200)
+    packed = cpu_kernels.pack_gemm_weight(fn, w)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = cpu_kernels.gemm_bf16(fn, x, packed, 200, b)
+        alone = torch.cat([cpu_kernels.gemm_bf16(fn, x[i : i + 1], packed, 200, b)
+                           for i in range(45)])
+        pieces = torch.cat([cpu_kernels.gemm_bf16(fn, x[i : i + 9], packed, 200, b)
+                            for i in range(0, 45, 9)])
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(together, alone) and torch.equal(together, pieces)
+
+
+@pytest.mark.parametrize(("env", "amx", "expected"),
+                         [("auto", False, True), ("auto", True, False), ("1", True, True),
+                          ("0", False, False)])
+def test_gemm_is_preferred_without_amx(monkeypatch, env, amx, expected):
+    flags = "flags : fpu avx512f avx512_bf16" + (" amx_bf16 amx_tile" if amx else "") + "\n"
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: flags)
+    monkeypatch.setenv("INGOT_CPU_GEMM", env)
+    assert cpu_kernels.gemm_preferred() is expected
+
+
+def test_gemm_choice_rejects_a_bad_value(monkeypatch):
+    monkeypatch.setenv("INGOT_CPU_GEMM", "yes")
+    with pytest.raises(ValueError, match="INGOT_CPU_GEMM must be auto, 0 or 1"):
+        cpu_kernels.gemm_preferred()
+
+
+@pytest.mark.needs_kernels
+@pytest.mark.parametrize("gemm", ["1", "0"])
+def test_packed_linear_takes_one_layout_for_many_rows(monkeypatch, gemm):
+    """More rows than the GEMV serves run on ingot's GEMM (INGOT_CPU_GEMM=1: its layout only)
+    or on oneDNN (0: its packing only); both within one rounding of float32 math."""
+    monkeypatch.setenv("INGOT_CPU_GEMM", gemm)
+    torch.manual_seed(3)
+    layer = ReplicatedLinear(64, 48, bias=True).to(torch.bfloat16)
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()
+    weight = layer.weight.detach().clone()
+    layer.pack_weight(fn)
+    assert (layer.gemm_weight is not None) == (gemm == "1")
+    assert (layer.packed_weight is not None) == (gemm == "0")
+    x = torch.randn(2, 5, 64).to(torch.bfloat16)  # 10 rows, 3-D as attention heads give them
+    y = layer(x)
+    assert y.shape == (2, 5, 48)
+    assert _within_one_rounding(y, _reference(x, weight, layer.bias), 64)
+
+
+@pytest.mark.needs_kernels
 def test_packed_linear_uses_the_kernel_for_single_rows_only():
     torch.manual_seed(2)
     layer = ReplicatedLinear(64, 48, bias=True).to(torch.bfloat16)

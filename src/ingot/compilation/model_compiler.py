@@ -312,13 +312,15 @@ class ModelCompiler:
         self._install()
 
     def _install(self) -> None:
+        from ingot.model_executor.layers.linear import LinearBase
+
         layers = self.runner.model.model.layers
         for module in layers.modules():
-            if getattr(module, "packed_weight", None) is not None:
-                # Dynamo cannot trace oneDNN's opaque pre-packed weights: compiled layers use
-                # the plain weight (the eager head and embedding keep their packing).
-                module.packed_weight = None
-                module.gemv_weight = None
+            if isinstance(module, LinearBase):
+                # Dynamo cannot trace oneDNN's opaque pre-packed weights (nor ingot's kernels):
+                # compiled layers use the plain weight (the eager head and embedding keep
+                # their packing).
+                module.packed_weight = module.gemv_weight = module.gemm_weight = None
             if getattr(module, "cpu_kernels", None) is not None:
                 module.cpu_kernels = None  # ctypes kernels are opaque to Dynamo too
         compiled = torch.compile(_fresh_function(_run_layer), backend=self.backend,

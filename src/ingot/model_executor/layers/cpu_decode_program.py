@@ -6,7 +6,7 @@ Why: at batch 1 the kernels themselves take ~16 ms of a ~25 ms step on the proje
 at batch 64 ~14 ms of an ~81 ms forward is Python: nn.Module dispatch, argument conversion and
 output allocation in the kernel wrappers, ~10 calls per layer. This program makes the same kernel
 calls in the same order (so its output equals the module path's bit for bit, tested): ingot's
-GEMV for up to GEMV_MAX_ROWS rows and oneDNN's packed linear above, as the linear layers choose,
+GEMV for a few rows and ingot's GEMM or oneDNN's packed linear above, as the linear layers choose,
 with every weight resolved once, per-step arguments converted once, and activations in buffers
 reused across layers. It is built only for decoders it reproduces exactly (dense MLPs, no q/k
 norm, one rank), and steps aside while a forward hook is installed anywhere (the accuracy
@@ -65,10 +65,11 @@ class CpuDecodeProgram:
                 m.down_proj.gemv_weight.data_ptr(), _ptr(m.down_proj.bias_f32),
                 a.sliding_window or 0, a.scale,
             ))
-        # oneDNN's operands of the same four linears, for batches above GEMV_MAX_ROWS.
-        self.packed = [tuple((lin.packed_weight, lin.bias) for lin in (
-            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-            layer.mlp.down_proj)) for layer in decoder.layers]
+        # The same four linears as modules, for batches above GEMV_MAX_ROWS: their forward
+        # chooses the kernel for those rows (ingot's GEMM or oneDNN) as everywhere else.
+        self.linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                         layer.mlp.gate_up_proj, layer.mlp.down_proj) for layer in decoder.layers]
+        self.gemm = first.self_attn.qkv_proj.gemm_weight is not None  # as every linear
         self.cos_sin = first.self_attn.rotary.cos_sin_cache
         self.norm = decoder.norm
         self._buffers: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -96,7 +97,9 @@ class CpuDecodeProgram:
             a, m = layer.self_attn, layer.mlp
             linears = (a.qkv_proj, getattr(a, "o_proj", None), getattr(m, "gate_up_proj", None),
                        getattr(m, "down_proj", None))
-            if any(lin is None or lin.gemv_weight is None or lin.packed_weight is None
+            if any(lin is None or lin.gemv_weight is None
+                   or (lin.packed_weight is None and lin.gemm_weight is None)
+                   or (lin.gemm_weight is None) != (a.qkv_proj.gemm_weight is None)
                    for lin in linears):
                 return None  # unpacked, or not a dense MLP (MoE)
             norms = (layer.input_layernorm, layer.post_attention_layernorm, decoder.norm)
@@ -126,11 +129,10 @@ class CpuDecodeProgram:
         x, h, res, qkv, attn, gate_up, act = self._activations(rows)
         xp, rp, attnp, actp = x.data_ptr(), res.data_ptr(), attn.data_ptr(), act.data_ptr()
         q_bytes, kv_bytes = heads * head_dim * 2, kv_heads * head_dim * 2
-        use_gemv = gemv_applies(rows)  # as LinearBase.forward chooses
+        use_gemv = gemv_applies(rows, self.gemm)  # as LinearBase.forward chooses
         # Verification rows of one sequence read each other's keys: rotate and write every
         # row's key/value first (the same rotation as the fused kernel), then attend.
         write_first = meta.rows_share_sequences
-        onednn = torch.ops.mkldnn._linear_pointwise
 
         table = meta.block_table.to(torch.int64).contiguous()
         seq_lens = meta.seq_lens.to(torch.int64).contiguous()
@@ -153,8 +155,8 @@ class CpuDecodeProgram:
         residual_in = embedded.data_ptr()  # layer 0: residual = the embedding, no add
         aux_layers = self.model.model.aux_hidden_state_layers
         aux = []
-        for i, (cache, layer, packed) in enumerate(zip(kv_caches, self.layers, self.packed,
-                                                       strict=True)):
+        for i, (cache, layer, linears) in enumerate(zip(kv_caches, self.layers, self.linears,
+                                                        strict=True)):
             (in_w, in_eps, qkv_w, qkv_b, o_w, o_b, post_w, post_eps, gu_w, gu_b, down_w, down_b,
              window, scale) = layer
             if residual_in == rp:
@@ -166,7 +168,7 @@ class CpuDecodeProgram:
             if use_gemv:
                 gemv(xp, qkv_w, qkv_b, qkv.data_ptr(), rows, qkv_size, hidden, threads)
             else:
-                qkv = onednn(x, packed[0][0], packed[0][1], "none", [], "")
+                qkv = linears[0](x)
             qkvp = qkv.data_ptr()
             kc = cache.data_ptr()
             vc = kc + value_offset
@@ -185,18 +187,18 @@ class CpuDecodeProgram:
             if use_gemv:
                 gemv(attnp, o_w, o_b, h.data_ptr(), rows, hidden, heads * head_dim, threads)
             else:
-                h = onednn(attn, packed[1][0], packed[1][1], "none", [], "")
+                h = linears[1](attn)
             rms(h.data_ptr(), residual_in, post_w, xp, rp, rows, hidden, post_eps, threads)
             residual_in = rp
             if use_gemv:
                 gemv(xp, gu_w, gu_b, gate_up.data_ptr(), rows, 2 * inter, hidden, threads)
             else:
-                gate_up = onednn(x, packed[2][0], packed[2][1], "none", [], "")
+                gate_up = linears[2](x)
             silu(gate_up.data_ptr(), actp, rows, inter, threads)
             if use_gemv:
                 gemv(actp, down_w, down_b, h.data_ptr(), rows, hidden, inter, threads)
             else:
-                h = onednn(act, packed[3][0], packed[3][1], "none", [], "")
+                h = linears[3](act)
         out, _ = self.norm(h, res)  # a fresh tensor: the buffers are reused next step
         if aux:
             self.model.model.aux_hidden_states = torch.cat(aux, dim=-1)

@@ -921,6 +921,115 @@ void ingot_moe_pack_bf16(const uint16_t *w, uint16_t *packed, int64_t M, int64_t
     }
 }
 
+/* ---------------------------------------------------------------------------------------- */
+/* bf16 GEMM for steps of more rows than the GEMV serves (prefill, batched decode), on CPUs
+   without AMX. There vdpbf16ps retires at about half the rate of float32 FMAs (measured here:
+   oneDNN's bf16 GEMM ~75 GFLOP/s a core, MKL's float32 ~136), so this kernel widens the bf16
+   weights to float32 in registers and multiplies with FMAs: y = bf16(x . w^T + bias).
+   w is packed as ingot_moe_pack_bf16 lays out one matrix ([N/16][K/2][16][2]): one 64-byte
+   load becomes the even-k and odd-k weights of 16 outputs with one shift and one mask. A tile
+   is 8 rows x 48 outputs (24 accumulators); a work item is a chunk of rows x up to 192
+   outputs, its rows widened to float32 once per item into the thread's buffer. Each output is one FMA
+   chain over k in order, the bias added before one rounding: a row's result does not depend
+   on the other rows or on the tiling (batched equals alone, bit for bit). Items are handed
+   out dynamically, so a thread preempted by another process leaves its share to the others. */
+#define GEMM_MR 8
+#define GEMM_NB 3                 /* 16-output blocks per tile */
+#define GEMM_ITEM_TILES 4         /* tiles of outputs per work item */
+#define GEMM_ITEM_ROWS 32
+
+static inline __attribute__((always_inline)) void gemm_tile_bf16(
+    const float *xf, int64_t K, const int MR, const int NB, const uint16_t *wp, int64_t kp,
+    const float *bias, uint16_t *y, int64_t N, int64_t n0) {
+    __m512 a[GEMM_MR][GEMM_NB];
+    for (int m = 0; m < MR; m++)
+        for (int b = 0; b < NB; b++) a[m][b] = _mm512_setzero_ps();
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+    for (int64_t k = 0; k < kp; k++) {
+        __m512 we[GEMM_NB], wo[GEMM_NB];
+        for (int b = 0; b < NB; b++) {
+            const __m512i v = _mm512_loadu_si512((const void *)(wp + (b * kp + k) * 32));
+            we[b] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+            wo[b] = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
+        }
+        for (int m = 0; m < MR; m++) {
+            const __m512 x0 = _mm512_set1_ps(xf[m * K + 2 * k]);
+            const __m512 x1 = _mm512_set1_ps(xf[m * K + 2 * k + 1]);
+            for (int b = 0; b < NB; b++) {
+                a[m][b] = _mm512_fmadd_ps(we[b], x0, a[m][b]);
+                a[m][b] = _mm512_fmadd_ps(wo[b], x1, a[m][b]);
+            }
+        }
+    }
+    for (int b = 0; b < NB; b++) {
+        const int64_t c = n0 + b * 16;
+        const int cnt = N - c < 16 ? (int)(N - c) : 16;
+        const __mmask16 mask = (__mmask16)(cnt == 16 ? 0xffffu : (1u << cnt) - 1u);
+        const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + c) : _mm512_setzero_ps();
+        for (int m = 0; m < MR; m++)
+            store_bf16x16(y + m * N + c, round_bf16x16(_mm512_add_ps(a[m][b], bv)), cnt);
+    }
+}
+
+#define GEMM_TILE_CASE(MR_)                                                                      \
+    case MR_:                                                                                    \
+        if (nbt == 3) gemm_tile_bf16(xf, K, MR_, 3, wt, kp, bias, yt, N, n0);                   \
+        else if (nbt == 2) gemm_tile_bf16(xf, K, MR_, 2, wt, kp, bias, yt, N, n0);              \
+        else gemm_tile_bf16(xf, K, MR_, 1, wt, kp, bias, yt, N, n0);                            \
+        break;
+
+int ingot_gemm_bf16(const uint16_t *x, const uint16_t *wp, const float *bias, uint16_t *y,
+                    int64_t M, int64_t N, int64_t K, int nthreads) {
+    const int64_t kp = K / 2, nblocks = (N + 15) / 16;
+    const int64_t tiles = (nblocks + GEMM_NB - 1) / GEMM_NB;
+    const int64_t chunks = (M + GEMM_ITEM_ROWS - 1) / GEMM_ITEM_ROWS;
+    /* Narrower items for few rows (batched decode), so every thread gets several. */
+    int64_t per_item = GEMM_ITEM_TILES;
+    while (per_item > 1 && chunks * ((tiles + per_item - 1) / per_item) < 8 * nthreads) per_item /= 2;
+    const int64_t groups = (tiles + per_item - 1) / per_item;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+        /* this thread's float32 copy of an item's rows (kept across calls: no page faults) */
+        static __thread float *xbuf = NULL;
+        static __thread int64_t xcap = 0;
+        if (xcap < GEMM_ITEM_ROWS * K) {
+            free(xbuf);
+            xbuf = (float *)aligned_alloc(64, (GEMM_ITEM_ROWS * K * sizeof(float) + 63) / 64 * 64);
+            xcap = xbuf ? GEMM_ITEM_ROWS * K : 0;
+        }
+        if (!xbuf) failed = 1;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < chunks * groups; item++) {
+            if (!xbuf) continue;
+            const int64_t m0 = item / groups * GEMM_ITEM_ROWS;
+            const int64_t rows = M - m0 < GEMM_ITEM_ROWS ? M - m0 : GEMM_ITEM_ROWS;
+            const int64_t t0 = item % groups * per_item;
+            const int64_t t1 = t0 + per_item < tiles ? t0 + per_item : tiles;
+            for (int64_t i = 0; i < rows * K; i += 16) {
+                const int n = rows * K - i < 16 ? (int)(rows * K - i) : 16;
+                _mm512_storeu_ps(xbuf + i, n == 16 ? load_bf16x16(x + m0 * K + i)
+                                                   : maskload_bf16x16(x + m0 * K + i, (__mmask16)((1u << n) - 1u)));
+            }
+            for (int64_t m = 0; m < rows; m += GEMM_MR) {
+                const int mr = rows - m < GEMM_MR ? (int)(rows - m) : GEMM_MR;
+                const float *xf = xbuf + m * K;
+                for (int64_t t = t0; t < t1; t++) {
+                    const int64_t b0 = t * GEMM_NB, n0 = b0 * 16;
+                    const int nbt = nblocks - b0 < GEMM_NB ? (int)(nblocks - b0) : GEMM_NB;
+                    const uint16_t *wt = wp + b0 * kp * 32;
+                    uint16_t *yt = y + (m0 + m) * N;
+                    switch (mr) {
+                        GEMM_TILE_CASE(8) GEMM_TILE_CASE(7) GEMM_TILE_CASE(6) GEMM_TILE_CASE(5)
+                        GEMM_TILE_CASE(4) GEMM_TILE_CASE(3) GEMM_TILE_CASE(2) GEMM_TILE_CASE(1)
+                    }
+                }
+            }
+        }
+    }
+    return failed ? -1 : 0;
+}
+
 /* ag[t] / au[t] = x_t . (16 rows of block g / u) over kp pairs, for NT tokens: two blocks and
    two accumulators each over even and odd pairs, so 4 * NT independent vdpbf16ps chains hide
    its latency (one chain per output block had bound the decode case). */

@@ -6,6 +6,8 @@ project's 2-core machine (single-stream decode of the default model):
 - ``gemv``: the weight pre-packed in blocks of 8 rows (:func:`pack_gemv_weight`) streams at
   ~20 GB/s against ~13.5 GB/s for a row-major walk and ~8.5 GB/s for oneDNN's packed linear on
   these 0.6-3.5 MB matrices. Used up to GEMV_MAX_ROWS rows; beyond, oneDNN's AMX path is faster.
+- ``gemm``: more rows on CPUs without AMX, float32 FMAs on bf16 weights widened in registers
+  (1.5-2x oneDNN's bf16 GEMM there, whose vdpbf16ps runs at half the FMA rate).
 - ``decode_attention``: rotary, the KV-cache write and attention over the paged cache (no
   gather) in one call per layer; q.k with ``vdpbf16ps`` 16 keys at a time, float32 softmax.
 - ``rms_norm`` (with the residual add) and ``silu_mul``: one call instead of 9 and 3 torch ops.
@@ -42,6 +44,10 @@ logger = logging.getLogger("ingot")
 # 11.1 / 13.0 / 16.0 ms for 1 / 2 / 3 rows against oneDNN's 17.7 / 16.9 / 19.3; even at 4 rows
 # and slower from 6 (oneDNN's AMX path takes over there).
 GEMV_MAX_ROWS = 3
+# ... and beside ingot's GEMM (CPUs without AMX), which is faster from 2 rows: one layer of the
+# default model on one thread, 1 / 2 / 3 / 4 rows: GEMM 278 / 243 / 255 / 315 us against the
+# GEMV's 220 / 264 / 405 / 511.
+GEMV_MAX_ROWS_BESIDE_GEMM = 1
 GEMV_BLOCK_ROWS, GEMV_BLOCK_K = 8, 32  # the packed layout (GEMV_ROWS in the C source)
 # Limits of the decode-attention kernel's fixed-size buffers and vdpbf16ps steps.
 ATTN_MAX_HEAD_DIM, ATTN_MAX_GROUP = 256, 16
@@ -59,6 +65,8 @@ class CpuKernels:
     def __init__(self, lib: ctypes.CDLL) -> None:
         p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
         self.gemv = self._bind(lib.ingot_gemv_bf16, [p] * 4 + [i64] * 3 + [i32])
+        self.gemm = self._bind(lib.ingot_gemm_bf16, [p] * 4 + [i64] * 3 + [i32])
+        self.gemm.restype = ctypes.c_int
         self.rms_norm = self._bind(lib.ingot_rmsnorm_bf16, [p] * 5 + [i64] * 2 + [f32, i32])
         self.silu_mul = self._bind(lib.ingot_silu_mul_bf16, [p] * 2 + [i64] * 2 + [i32])
         self.decode_attention = self._bind(
@@ -94,12 +102,28 @@ class CpuKernels:
         return fn
 
 
-def _cpu_has_avx512_bf16() -> bool:
+def _cpu_flags() -> str:
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        return Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
+        return ""
+
+
+def _cpu_has_avx512_bf16() -> bool:
+    flags = _cpu_flags()
     return all(f" {flag}" in flags for flag in ("avx512_bf16", "avx512bw", "avx512vl"))
+
+
+def gemm_preferred() -> bool:
+    """Whether bf16 linears of more rows than the GEMV serves run on ingot's GEMM rather than
+    oneDNN's: on CPUs without AMX (where oneDNN's bf16 GEMM rides vdpbf16ps at about half the
+    float32 FMA rate), unless ``INGOT_CPU_GEMM`` says otherwise (``1`` on, ``0`` off)."""
+    choice = os.environ.get("INGOT_CPU_GEMM", "auto")
+    if choice not in ("auto", "0", "1"):
+        raise ValueError(f"INGOT_CPU_GEMM must be auto, 0 or 1, got {choice!r}")
+    if choice != "auto":
+        return choice == "1"
+    return " amx_bf16" not in _cpu_flags()
 
 
 def _kernel_dir() -> Path:
@@ -181,6 +205,34 @@ def gemv_bf16(
     y = torch.empty(m, out_features, dtype=torch.bfloat16)
     kernels.gemv(x.data_ptr(), packed.data_ptr(), _ptr(bias), y.data_ptr(), m, out_features, k,
                  torch.get_num_threads())
+    return y
+
+
+def pack_gemm_weight(kernels: CpuKernels, weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] bf16 (K even) -> the GEMM kernel's layout, the MoE kernel's for one matrix:
+    blocks of 16 rows, each K/2 steps of [16 rows][2] (zero rows pad the last block)."""
+    n, k = weight.shape
+    weight = weight.contiguous()
+    packed = torch.empty(-(-n // 16), k // 2, 32, dtype=torch.bfloat16)
+    kernels.moe_pack(weight.data_ptr(), packed.data_ptr(), 1, n, k)
+    return packed
+
+
+def gemm_bf16(
+    kernels: CpuKernels,
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    out_features: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] bf16, ``packed`` from :func:`pack_gemm_weight`, bias float32 or None
+    -> [M, out_features] bf16 (float32 FMAs on the widened weights)."""
+    x = x.contiguous()
+    m, k = x.shape
+    y = torch.empty(m, out_features, dtype=torch.bfloat16)
+    if kernels.gemm(x.data_ptr(), packed.data_ptr(), _ptr(bias), y.data_ptr(), m, out_features,
+                    k, torch.get_num_threads()) != 0:
+        raise MemoryError(f"GEMM kernel: no memory for its {k}-wide row buffers")
     return y
 
 

@@ -27,9 +27,13 @@ from ingot.distributed.parallel_state import get_tp_group
 from ingot.distributed.sequence_parallel import reduce_partial
 from ingot.model_executor.layers.cpu_kernels import (
     GEMV_MAX_ROWS,
+    GEMV_MAX_ROWS_BESIDE_GEMM,
     CpuKernels,
+    gemm_bf16,
+    gemm_preferred,
     gemv_bf16,
     load_cpu_kernels,
+    pack_gemm_weight,
     pack_gemv_weight,
 )
 
@@ -65,19 +69,22 @@ class LinearBase(nn.Module):
         self.output_size = output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
-        # oneDNN blocked copy of ``weight`` (not a parameter: derived, never saved or loaded).
-        self.packed_weight: torch.Tensor | None = None
-        # ingot's GEMV for single rows, on its own blocked copy of the weight (with packing).
+        # Derived copies of ``weight`` (never saved or loaded), made by pack_weight: ingot's
+        # GEMV layout for a few rows, and for more rows either ingot's GEMM layout (CPUs
+        # without AMX) or oneDNN's blocked one.
         self.cpu_kernels: CpuKernels | None = None
         self.gemv_weight: torch.Tensor | None = None
+        self.gemm_weight: torch.Tensor | None = None
+        self.packed_weight: torch.Tensor | None = None
         self.bias_f32: torch.Tensor | None = None
 
     def pack_weight(self, kernels: CpuKernels | None = None, keep_plain: bool = False) -> None:
-        """Re-lay the weight out for oneDNN once, after loading. Measured on this project's
-        2-core AMX machine: bf16 GEMV 1.5x faster (3072x576) and up to 2x on the 49152-row LM
-        head than ``F.linear`` on the plain weight, and never slower at prefill sizes. With
-        ``kernels``, single rows (batch-1 decode) go to ingot's GEMV kernel (cpu_kernels.py) on
-        a second, blocked copy of the weight.
+        """Re-lay the weight out once, after loading. Without ingot's kernels: oneDNN's packed
+        linear (measured on an AMX machine: bf16 GEMV 1.5x faster than ``F.linear`` on the
+        plain weight, up to 2x on the 49152-row LM head). With them: a few rows (decode; see
+        ``gemv_applies``) go to ingot's GEMV on its blocked copy, and more rows to ingot's
+        GEMM where ``gemm_preferred()`` (1.5-2x oneDNN's bf16 GEMM on this project's non-AMX
+        CPU at every prefill and batch size), else to oneDNN: two copies either way.
 
         Then the plain weight is released (its parameter keeps the name and dtype, with no
         elements): forward never reads it again, so holding it would only cost memory.
@@ -85,21 +92,27 @@ class LinearBase(nn.Module):
         the packed copies instead), and a weight shared with another module (a tied LM head
         is the embedding's table) is always kept."""
         weight = self.weight.detach()
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)
         self.cpu_kernels = kernels
         self.gemv_weight = pack_gemv_weight(weight) if kernels is not None else None
+        if kernels is not None and gemm_preferred() and self.input_size % 2 == 0:
+            self.gemm_weight = pack_gemm_weight(kernels, weight)
+        else:
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)
         self.bias_f32 = self.bias.detach().float() if self.bias is not None else None
         if not keep_plain and not getattr(self.weight, "shared", False):
             self.weight.data = weight.new_empty(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (
-            self.cpu_kernels is not None
-            and self.gemv_weight is not None
-            and x.dim() == 2
-            and gemv_applies(x.shape[0])
-        ):
-            return gemv_bf16(self.cpu_kernels, x, self.gemv_weight, self.output_size, self.bias_f32)
+        if self.cpu_kernels is not None and self.gemv_weight is not None:
+            rows = x.numel() // self.input_size
+            if gemv_applies(rows, self.gemm_weight is not None):
+                y = gemv_bf16(self.cpu_kernels, x.reshape(rows, -1), self.gemv_weight,
+                              self.output_size, self.bias_f32)
+                return y.view(*x.shape[:-1], self.output_size)
+            if self.gemm_weight is not None:
+                y = gemm_bf16(self.cpu_kernels, x.reshape(rows, -1), self.gemm_weight,
+                              self.output_size, self.bias_f32)
+                return y.view(*x.shape[:-1], self.output_size)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(
                 x, self.packed_weight, self.bias, "none", [], ""
@@ -143,9 +156,11 @@ def kernel_rows(rows: int) -> Iterator[None]:
         _kernel_rows.rows = previous
 
 
-def gemv_applies(rows: int) -> bool:
-    """ingot's GEMV kernel serves a bf16 linear of ``rows`` rows (else oneDNN)."""
-    return (getattr(_kernel_rows, "rows", 0) or rows) <= GEMV_MAX_ROWS
+def gemv_applies(rows: int, beside_gemm: bool) -> bool:
+    """ingot's GEMV kernel serves a bf16 linear of ``rows`` rows (else ingot's GEMM where the
+    linear holds its layout, ``beside_gemm``, or oneDNN)."""
+    limit = GEMV_MAX_ROWS_BESIDE_GEMM if beside_gemm else GEMV_MAX_ROWS
+    return (getattr(_kernel_rows, "rows", 0) or rows) <= limit
 
 
 def pack_linear_weights(model: nn.Module, keep_plain: bool = False) -> int:
@@ -382,6 +397,7 @@ def resident_weight_bytes(model: nn.Module) -> int:
         if isinstance(module, LinearBase):
             add(module.packed_weight)
             add(module.gemv_weight)
+            add(module.gemm_weight)
             add(module.bias_f32)
         for t in getattr(module, "kernel_weights", None) or ():  # FusedMoE's packed experts
             add(t)

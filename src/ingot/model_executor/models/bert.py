@@ -82,9 +82,7 @@ class _FusedEpilogue(nn.Module):
         return self.dense.weight
 
     def _kernel_applies(self) -> bool:
-        # A oneDNN-packed linear (bf16) keeps its own fused bias; the plain fp32 weight is
-        # what torch.mm reads.
-        return self.dense.packed_weight is None
+        return self.dense.weight.numel() > 0  # the plain weight torch.mm reads (not packed)
 
 
 def _add_norm(kernels: CpuKernels, x: torch.Tensor, bias: torch.Tensor | None,
