@@ -17,7 +17,7 @@ ASKS = ["Rename merge_sorted to merge and repeat the code exactly otherwise:",
         "Repeat this code, adding a docstring:", "Copy this code exactly:",
         "Rewrite this code with comments:", "Repeat the code below twice:",
         "Change i and j to left and right in this code:"]
-# 64 tokens: the copies accept 57 drafted tokens over the two single requests (94 at 96 tokens),
+# 64 tokens: the copies accept 57-59 drafted tokens over the two single requests (94 at 96),
 # well above the bound below, and the batch still decodes far past each prompt.
 MAX_TOKENS = 64
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
