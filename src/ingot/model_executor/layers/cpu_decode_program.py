@@ -65,11 +65,14 @@ class CpuDecodeProgram:
                 m.down_proj.gemv_weight.data_ptr(), _ptr(m.down_proj.bias_f32),
                 a.sliding_window or 0, a.scale,
             ))
-        # The same four linears as modules, for batches above GEMV_MAX_ROWS: their forward
-        # chooses the kernel for those rows (ingot's GEMM or oneDNN) as everywhere else.
+        # The same four linears for batches above what the GEMV serves: ingot's GEMM weights
+        # (called as the GEMV is, into the same buffers), or else the modules, whose forward
+        # runs oneDNN for those rows.
         self.linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                          layer.mlp.gate_up_proj, layer.mlp.down_proj) for layer in decoder.layers]
         self.gemm = first.self_attn.qkv_proj.gemm_weight is not None  # as every linear
+        self.gemm_weights = [tuple(lin.gemm_weight.data_ptr() for lin in linears)
+                             for linears in self.linears] if self.gemm else []
         self.cos_sin = first.self_attn.rotary.cos_sin_cache
         self.norm = decoder.norm
         self._buffers: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -152,6 +155,7 @@ class CpuDecodeProgram:
         value_offset = kv_caches[0][0].numel() * 2  # bytes from a cache's keys to its values
         embedded = self.model.model.embed_tokens(input_ids.view(rows))
         rms, gemv, attend, silu = k.rms_norm, k.gemv, k.decode_attention, k.silu_mul
+        gemm = k.gemm if self.gemm else None
         residual_in = embedded.data_ptr()  # layer 0: residual = the embedding, no add
         aux_layers = self.model.model.aux_hidden_state_layers
         aux = []
@@ -165,10 +169,15 @@ class CpuDecodeProgram:
                 rms(residual_in, None, in_w, xp, None, rows, hidden, in_eps, threads)
             if i in aux_layers:  # EAGLE3: the layer's input, the residual stream
                 aux.append((res if residual_in == rp else embedded).clone())
-            if use_gemv:
-                gemv(xp, qkv_w, qkv_b, qkv.data_ptr(), rows, qkv_size, hidden, threads)
-            else:
+            # ingot's kernels write into the step's buffers (the GEMM returns nonzero when it
+            # could not get its row buffers); oneDNN returns fresh tensors.
+            matmul = gemv if use_gemv else gemm
+            if matmul is not None:
+                weights = (qkv_w, o_w, gu_w, down_w) if use_gemv else self.gemm_weights[i]
+            if matmul is None:
                 qkv = linears[0](x)
+            elif matmul(xp, weights[0], qkv_b, qkv.data_ptr(), rows, qkv_size, hidden, threads):
+                raise MemoryError("GEMM kernel: no memory for its row buffers")
             qkvp = qkv.data_ptr()
             kc = cache.data_ptr()
             vc = kc + value_offset
@@ -184,21 +193,23 @@ class CpuDecodeProgram:
                 attend(qkvp, qkv_size, qkvp + q_bytes, qkv_size, qkvp + q_bytes + kv_bytes,
                        qkv_size, *step_args, kc, vc, *tail_args, window, scale,
                        scratch.data_ptr(), per_thread, threads)
-            if use_gemv:
-                gemv(attnp, o_w, o_b, h.data_ptr(), rows, hidden, heads * head_dim, threads)
-            else:
+            if matmul is None:
                 h = linears[1](attn)
+            elif matmul(attnp, weights[1], o_b, h.data_ptr(), rows, hidden, heads * head_dim,
+                        threads):
+                raise MemoryError("GEMM kernel: no memory for its row buffers")
             rms(h.data_ptr(), residual_in, post_w, xp, rp, rows, hidden, post_eps, threads)
             residual_in = rp
-            if use_gemv:
-                gemv(xp, gu_w, gu_b, gate_up.data_ptr(), rows, 2 * inter, hidden, threads)
-            else:
+            if matmul is None:
                 gate_up = linears[2](x)
+            elif matmul(xp, weights[2], gu_b, gate_up.data_ptr(), rows, 2 * inter, hidden,
+                        threads):
+                raise MemoryError("GEMM kernel: no memory for its row buffers")
             silu(gate_up.data_ptr(), actp, rows, inter, threads)
-            if use_gemv:
-                gemv(actp, down_w, down_b, h.data_ptr(), rows, hidden, inter, threads)
-            else:
+            if matmul is None:
                 h = linears[3](act)
+            elif matmul(actp, weights[3], down_b, h.data_ptr(), rows, hidden, inter, threads):
+                raise MemoryError("GEMM kernel: no memory for its row buffers")
         out, _ = self.norm(h, res)  # a fresh tensor: the buffers are reused next step
         if aux:
             self.model.model.aux_hidden_states = torch.cat(aux, dim=-1)
