@@ -44,10 +44,10 @@ logger = logging.getLogger("ingot")
 # 11.1 / 13.0 / 16.0 ms for 1 / 2 / 3 rows against oneDNN's 17.7 / 16.9 / 19.3; even at 4 rows
 # and slower from 6 (oneDNN's AMX path takes over there).
 GEMV_MAX_ROWS = 3
-# ... and beside ingot's GEMM (CPUs without AMX), which is faster from 2 rows: one layer of the
-# default model on one thread, 1 / 2 / 3 / 4 rows: GEMM 278 / 243 / 255 / 315 us against the
-# GEMV's 220 / 264 / 405 / 511.
-GEMV_MAX_ROWS_BESIDE_GEMM = 1
+# ... and beside ingot's GEMM (CPUs without AMX), which is faster from 3-4 rows: the default
+# model's qkv / gate-up / down on both cores (bench/gemm_kernel.py, quiet), GEMV against GEMM:
+# 23 / 86 / 35 us against 25 / 94 / 42 at 2 rows, 45 / 131 / 68 against 29 / 79 / 61 at 4.
+GEMV_MAX_ROWS_BESIDE_GEMM = 2
 GEMV_BLOCK_ROWS, GEMV_BLOCK_K = 8, 32  # the packed layout (GEMV_ROWS in the C source)
 # Limits of the decode-attention kernel's fixed-size buffers and vdpbf16ps steps.
 ATTN_MAX_HEAD_DIM, ATTN_MAX_GROUP = 256, 16
