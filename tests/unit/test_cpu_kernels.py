@@ -25,19 +25,31 @@ def _within_one_rounding(y, ref, k):
     return ((y.float() - ref).abs() <= ref.abs() * 2.0**-8 + 1e-3 * k**0.5).all()
 
 
+def _pack_and_run(kind: str):  # noqa: ANN202
+    if kind == "gemv":
+        return cpu_kernels.pack_gemv_weight, cpu_kernels.gemv_bf16
+    return (lambda w: cpu_kernels.pack_gemm_weight(fn, w)), cpu_kernels.gemm_bf16
+
+
+_SHAPES = [(1, 576, 960, False), (3, 1536, 576, True), (8, 100, 37, True), (1, 64, 5, False),
+           (4, 576, 960, True), (37, 1536, 576, False), (9, 100, 37, True), (70, 64, 200, True),
+           (300, 576, 49, False)]
+
+
 @pytest.mark.needs_kernels
 @pytest.mark.parametrize(
-    ("m", "k", "n", "bias"),
-    [(1, 576, 960, False), (3, 1536, 576, True), (8, 100, 37, True), (1, 64, 5, False),
-     (2, 31, 9, False)],
+    ("kind", "m", "k", "n", "bias"),
+    [(kind, *shape) for kind in ("gemv", "gemm") for shape in _SHAPES]
+    + [("gemv", 2, 31, 9, False)],  # an odd K: the GEMV's tail (the GEMM's K is even)
 )
-def test_gemv_matches_float32_math_within_one_bf16_rounding(m, k, n, bias):
+def test_packed_matmul_matches_float32_math_within_one_bf16_rounding(kind, m, k, n, bias):
+    """Both kernels on every row-tile (8) and output-tile (48) tail, K not a multiple of 32."""
     torch.manual_seed(0)
     x = torch.randn(m, k).to(torch.bfloat16)
     w = torch.randn(n, k).to(torch.bfloat16)
     b = torch.randn(n).to(torch.bfloat16) if bias else None
-    packed = cpu_kernels.pack_gemv_weight(w)
-    y = cpu_kernels.gemv_bf16(fn, x, packed, n, None if b is None else b.float())
+    pack, run = _pack_and_run(kind)
+    y = run(fn, x, pack(w), n, None if b is None else b.float())
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
     assert _within_one_rounding(y, _reference(x, w, b), k)
 
@@ -71,24 +83,6 @@ def test_gemv_rows_are_the_same_whatever_the_row_count(k, n):
         onednn = torch.ops.mkldnn._linear_pointwise(
             x, torch.ops.mkldnn._reorder_linear_weight(w), None, "none", [], "")
         assert not torch.equal(onednn, cpu_kernels.gemv_bf16(fn, x, packed, n))
-
-
-@pytest.mark.needs_kernels
-@pytest.mark.parametrize(
-    ("m", "k", "n", "bias"),
-    [(4, 576, 960, True), (37, 1536, 576, False), (9, 100, 37, True), (1, 2, 5, False),
-     (70, 64, 200, True), (300, 576, 49, False)],
-)
-def test_gemm_matches_float32_math_within_one_bf16_rounding(m, k, n, bias):
-    """Every row-tile (8) and output-tile (48) tail, K not a multiple of 32, a bias."""
-    torch.manual_seed(0)
-    x = torch.randn(m, k).to(torch.bfloat16)
-    w = torch.randn(n, k).to(torch.bfloat16)
-    b = torch.randn(n).to(torch.bfloat16) if bias else None
-    packed = cpu_kernels.pack_gemm_weight(fn, w)
-    y = cpu_kernels.gemm_bf16(fn, x, packed, n, None if b is None else b.float())
-    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
-    assert _within_one_rounding(y, _reference(x, w, b), k)
 
 
 @pytest.mark.needs_kernels

@@ -200,11 +200,18 @@ def gemv_bf16(
 ) -> torch.Tensor:
     """x [M, K] bf16, ``packed`` from :func:`pack_gemv_weight`, bias float32 or None
     -> [M, out_features] bf16."""
+    return _packed_matmul(kernels.gemv, x, packed, out_features, bias)
+
+
+def _packed_matmul(kernel, x: torch.Tensor, packed: torch.Tensor, out_features: int,  # noqa: ANN001
+                   bias: torch.Tensor | None) -> torch.Tensor:
     x = x.contiguous()
     m, k = x.shape
     y = torch.empty(m, out_features, dtype=torch.bfloat16)
-    kernels.gemv(x.data_ptr(), packed.data_ptr(), _ptr(bias), y.data_ptr(), m, out_features, k,
-                 torch.get_num_threads())
+    # The GEMV returns nothing, the GEMM nonzero when it could not get its row buffers.
+    if kernel(x.data_ptr(), packed.data_ptr(), _ptr(bias), y.data_ptr(), m, out_features, k,
+              torch.get_num_threads()):
+        raise MemoryError(f"GEMM kernel: no memory for its {k}-wide row buffers")
     return y
 
 
@@ -227,13 +234,7 @@ def gemm_bf16(
 ) -> torch.Tensor:
     """x [M, K] bf16, ``packed`` from :func:`pack_gemm_weight`, bias float32 or None
     -> [M, out_features] bf16 (float32 FMAs on the widened weights)."""
-    x = x.contiguous()
-    m, k = x.shape
-    y = torch.empty(m, out_features, dtype=torch.bfloat16)
-    if kernels.gemm(x.data_ptr(), packed.data_ptr(), _ptr(bias), y.data_ptr(), m, out_features,
-                    k, torch.get_num_threads()) != 0:
-        raise MemoryError(f"GEMM kernel: no memory for its {k}-wide row buffers")
-    return y
+    return _packed_matmul(kernels.gemm, x, packed, out_features, bias)
 
 
 def rms_norm_bf16(
