@@ -278,6 +278,25 @@ def test_competitor_moves_to_fewer_threads_and_back(caplog: pytest.LogCaptureFix
     assert s.sets[-1] == 2
 
 
+def test_contended_from_the_start_switches_after_two_steps() -> None:
+    """The controller samples other processes' CPU use when it is built (start-up), so a
+    competitor already running is known at the first step; a probe step at half the time or
+    less settles the move (a contended 2-thread prefill step costs seconds: pay it once)."""
+    s = Script()
+    s.others, s.times = 1.0, {1: 1.0, 2: 10.0}
+    s.now = s.busy = 5.0  # warmup: others ran beside it
+    ctl = make(s)
+    s.busy, s.mine, s.now = 15.0, 5.0, 10.0  # 5 s of warmup: 5 CPU-s others, 5 ingot's
+    s.run(ctl, 2, key=(True, 2048, 0))
+    assert ctl.current == 1 and ctl.switches[-1][1:3] == (2, 1)
+    # Broken twin: a probe step only a little faster still needs its three samples.
+    s2 = Script()
+    s2.others, s2.times = 1.0, {1: 8.0, 2: 10.0}
+    ctl2 = make(s2)
+    s2.run(ctl2, 2, key=(True, 2048, 0))
+    assert ctl2.current == 2 and ctl2.probe is not None
+
+
 def test_light_competitor_keeps_threads_when_they_stay_faster() -> None:
     s = Script()
     ctl = make(s)

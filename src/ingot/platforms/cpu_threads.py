@@ -512,6 +512,10 @@ class AdaptiveThreads:
         self._next_sample = 0.0
         self._retry_at: dict[int, float] = {}  # probe target -> earliest time to try it again
         self._retry_gap: dict[int, float] = {}
+        # A first sample now (start-up, before warmup): the first step's observation then
+        # already knows whether others use our CPUs, and a contended start probes at once
+        # after one step instead of two (a first contended prefill step took ~10 s).
+        self._sample_others(self._clock())
 
     # -- inputs --
     def _sample_others(self, now: float) -> None:
@@ -579,13 +583,16 @@ class AdaptiveThreads:
         p.steps += 1
         if key == p.key:
             p.samples.append(seconds)
-        # One probe step twice as slow as before settles it: do not pay for two more.
+        # One probe step twice as slow as before settles it: do not pay for two more; nor
+        # for more of the slow count when one probe step took half the time or less.
         hopeless = key == p.key and seconds > 2.0 * p.before
-        if not hopeless and len(p.samples) < self.probe_steps and p.steps < 4 * self.probe_steps:
+        decisive = key == p.key and seconds < 0.5 * p.before
+        if not (hopeless or decisive) and len(p.samples) < self.probe_steps and \
+                p.steps < 4 * self.probe_steps:
             return
         self.probe = None
-        if len(p.samples) >= self.probe_steps and \
-                statistics.median(p.samples) < (1.0 - self.margin) * p.before:
+        if decisive or (len(p.samples) >= self.probe_steps and
+                        statistics.median(p.samples) < (1.0 - self.margin) * p.before):
             old = self.current
             self.current = p.threads
             self.switches.append((now, old, p.threads, p.why))
