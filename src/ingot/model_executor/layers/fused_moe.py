@@ -25,7 +25,7 @@ distributed/data_parallel.py).
 
 The experts run in one C call (cpu_kernels.c, ``fused_moe``) where ingot's CPU kernels apply:
 on CPU, bfloat16 or float32 weights, the kernels built (decided once per layer at load time by
-:func:`bind_moe_kernels`; MoE models never compile). It takes the local expert shard and the
+:func:`~ingot.model_executor.layers.cpu_kernels.bind_cpu_kernels`; MoE models never compile). It takes the local expert shard and the
 first local expert's global id, so TP and EP partials are the same as the torch path's.
 Elsewhere (CUDA, other dtypes, ``INGOT_CPU_KERNELS=0``) the torch path below runs.
 """
@@ -133,7 +133,7 @@ class FusedMoE(nn.Module):
         # (expert, shard id) pieces seen by the loaders, every expert's (the model loader
         # marks a stacked parameter loaded at its first piece, so completeness is checked here).
         self.loaded_pieces: set[tuple[int, int]] = set()
-        # ingot's fused expert kernel, once bound (bind_moe_kernels); None: the torch path.
+        # ingot's fused expert kernel, once bound (bind_cpu_kernels); None: the torch path.
         self.cpu_kernels: CpuKernels | None = None
         # The weights it reads: (w13, w2) in float32, their packed copies in bf16 (then the
         # plain ones are released, as packed linears do: nothing reads them any more).
