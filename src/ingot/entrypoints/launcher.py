@@ -1,5 +1,6 @@
-"""The `ingot` command's entry point: imports the CLI (torch and all) inside a handler, so a
-Ctrl-C while Python is still importing ends quietly with 130 like one during a command."""
+"""The `ingot` command's entry point: imports and runs the CLI (torch and all) inside one
+handler, so a Ctrl-C at any point of start-up (importing, building the parser, which imports
+more lazily) ends quietly with 130 like one during a command."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import sys
 def main() -> int:
     try:
         from ingot.entrypoints.cli import main as cli_main
+
+        return cli_main()
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
-    return cli_main()
