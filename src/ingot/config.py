@@ -62,6 +62,12 @@ KNOWN_ADDITIONAL_CONFIG = {
 # Prompts packed into one prefill step by default (eager layers). Chosen by measurement on the
 # project's CPU (docs/PERFORMANCE.md, "Packed prefill"); 1 is the original design's rule.
 DEFAULT_MAX_PREFILLS_PER_STEP = 8
+# An encoder-only model's prefill step holds up to this many tokens by default (and as many
+# prompts as fit, up to max_num_seqs): its steps need no KV cache, and at ~540 tokens a step
+# (8 short prompts) the embedder ran ~25% slower than at ~4k (fewer per-step and per-op
+# overheads, taller GEMMs), while 8k-16k tokens fell back (activations leave the caches).
+# Measured on the project's CPU (docs/PERFORMANCE.md, "Embeddings").
+ENCODER_STEP_TOKENS = 4096
 # Async scheduling when neither --async-scheduling nor --no-async-scheduling is given
 # (docs/features.md has the measurement behind the choice).
 DEFAULT_ASYNC_SCHEDULING = False
@@ -602,7 +608,8 @@ class EngineArgs:
             chunked = False
         max_batched = self.max_num_batched_tokens
         if max_batched is None:
-            max_batched = 2048 if chunked else max(max_model_len, 2048)
+            step_tokens = ENCODER_STEP_TOKENS if encoder_only else 2048
+            max_batched = 2048 if chunked else max(max_model_len, step_tokens)
         _positive("max_num_batched_tokens", max_batched)
         if not chunked and max_batched < max_model_len:
             raise ValueError(
@@ -662,7 +669,8 @@ class EngineArgs:
         compilation = self._compilation_config(platform.name, buckets, runner, encoder_only,
                                                speculative is not None, tp,
                                                getattr(model_cls, "eager_only", None))
-        prefills = self._max_prefills(additional_config, compilation)
+        prefills = self._max_prefills(additional_config, compilation,
+                                      self.max_num_seqs if encoder_only else None)
         backend = self.distributed_executor_backend or ("mp" if tp > 1 else "uni")
         if backend not in EXECUTOR_BACKENDS:
             raise ValueError(
@@ -897,12 +905,17 @@ class EngineArgs:
         return bool(self.async_scheduling)
 
     @staticmethod
-    def _max_prefills(additional_config: dict[str, Any], compilation: CompilationConfig) -> int:
+    def _max_prefills(additional_config: dict[str, Any], compilation: CompilationConfig,
+                      encoder_default: int | None = None) -> int:
         """Packed prefills per step. Compiled layers keep one: a packed step's attention
-        layout (requests x longest segment) would vary inside one token bucket and recompile."""
+        layout (requests x longest segment) would vary inside one token bucket and recompile.
+        An encoder (``encoder_default``: its max_num_seqs) packs as many prompts as its token
+        budget holds."""
         value = additional_config.get("max_num_prefills_per_step")
         if value is None:
-            return 1 if compilation.enabled else DEFAULT_MAX_PREFILLS_PER_STEP
+            if compilation.enabled:
+                return 1
+            return encoder_default or DEFAULT_MAX_PREFILLS_PER_STEP
         _positive("max_num_prefills_per_step", value)
         if value > 1 and compilation.enabled:
             raise ValueError(

@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 from test_scheduler import make_scheduler
 
-from ingot.config import EngineArgs, SchedulerConfig
+from ingot.config import (
+    DEFAULT_MAX_PREFILLS_PER_STEP,
+    ENCODER_STEP_TOKENS,
+    EngineArgs,
+    SchedulerConfig,
+)
 from ingot.core.buckets import BucketGrid
 from ingot.core.kv_cache_manager import KVCacheManager
 from ingot.core.request import Request, RequestStatus
@@ -88,6 +93,21 @@ def test_pooling_defaults(tiny_llama_dir):
     assert not embedder.scheduler_config.enable_chunked_prefill  # bidirectional attention
     with pytest.raises(ValueError, match="--runner pooling"):
         EngineArgs(model=embedder.model_config.model, runner="generate").create_engine_config()
+
+
+def test_encoder_steps_default_to_a_larger_token_budget(tiny_llama_dir):
+    """An encoder packs as many prompts as ENCODER_STEP_TOKENS holds; a causal LM turned into
+    an embedder keeps the decoder defaults (its prefills reuse the buckets); given values win."""
+    sc = EngineArgs(runner="pooling").create_engine_config().scheduler_config
+    assert (sc.max_num_batched_tokens, sc.max_num_prefills_per_step) == (ENCODER_STEP_TOKENS, 256)
+    sc = EngineArgs(runner="pooling", max_num_seqs=32, max_num_batched_tokens=1024,
+                    additional_config={"max_num_prefills_per_step": 4},
+                    ).create_engine_config().scheduler_config
+    assert (sc.max_num_batched_tokens, sc.max_num_prefills_per_step) == (1024, 4)
+    sc = EngineArgs(runner="pooling", max_num_seqs=32).create_engine_config().scheduler_config
+    assert sc.max_num_prefills_per_step == 32
+    sc = EngineArgs(model=str(tiny_llama_dir), runner="pooling").create_engine_config().scheduler_config
+    assert (sc.max_num_batched_tokens, sc.max_num_prefills_per_step) == (2048, DEFAULT_MAX_PREFILLS_PER_STEP)
 
 
 def test_pooling_params_validation():
