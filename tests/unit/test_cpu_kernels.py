@@ -386,9 +386,9 @@ def _per_sequence_sdpa(q, k, v, lens):
 
 
 @pytest.mark.needs_kernels
-@pytest.mark.parametrize(("heads", "head_dim"), [(12, 32), (2, 16), (4, 64)])
+@pytest.mark.parametrize(("heads", "head_dim"), [(12, 32), (2, 16), (4, 64), (3, 48)])
 def test_encoder_attention_matches_per_sequence_sdpa(heads, head_dim):
-    """Packed sequences of 1-130 rows (tails of 4-row and 16-key blocks), read in place from a
+    """Packed sequences of 1-130 rows (tails of 8-row, 32-key and 16-column blocks), read in place from a
     fused qkv output; padded rows after the last sequence come out zero; a sequence alone gives
     the very same rows. Broken twin: one bidirectional attention over the whole packed batch
     (neighbours leaking into each other) fails the same tolerance."""

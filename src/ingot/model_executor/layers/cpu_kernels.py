@@ -420,7 +420,7 @@ def encoder_attention_f32(
         stride = query.stride(0)
     starts = starts.to(torch.int64).contiguous()
     threads = torch.get_num_threads()
-    per_thread = (head_dim + 4) * (max_len + 16)
+    per_thread = (head_dim + 8) * (max_len + 32)  # the kernel's [D][Lp] keys + [8][Lp] scores
     scratch = torch.empty(threads * per_thread, dtype=torch.float32)
     out = torch.empty(num_tokens, num_heads * head_dim, dtype=torch.float32)
     end = int(starts[-1])
