@@ -119,8 +119,8 @@ def test_generate_is_sized_to_one_prompt_and_shows_progress(tiny_llama_dir):
     err = proc.stderr
     assert "sized for this command: max_num_seqs=1, max_num_batched_tokens=128" in err
     assert "prefill token buckets [128], decode batch buckets [1]," in err
-    for fragment in ("loading weights: started", "loading weights: done, ",
-                     "warmup: started", "warmup: done, "):
+    # float32 linears run MKL's GEMM, which builds nothing per shape: no warmup to show.
+    for fragment in ("loading weights: started", "loading weights: done, ", "warmup: skipped"):
         assert fragment in err, err
     assert "\r" not in err  # no bar redrawn on a pipe
 
@@ -158,6 +158,7 @@ def test_bench_single_is_sized_and_shows_progress():
     assert proc.returncode == 0, proc.stderr
     err = proc.stderr
     assert "sized for this command: max_num_seqs=1, max_num_batched_tokens=128" in err
-    assert "loading weights: done, " in err and "warmup: done, " in err
+    assert "loading weights: done, " in err
+    assert "warmup: done, " in err or "warmup: skipped" in err  # skipped without oneDNN linears
     assert "bench 1/1: single, 1 request(s) of 128 prompt -> 128 new tokens" in err
     assert "RESULT workload=single engine=ingot requests=1" in proc.stdout

@@ -10,6 +10,7 @@ import torch
 
 from ingot import LLM, SamplingParams
 from ingot.core.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
+from ingot.model_executor.layers.linear import cpu_packed_linear_supported
 from ingot.worker.model_runner import slot_mapping
 
 
@@ -156,6 +157,8 @@ def test_engine_stats(tiny_llama_dir):
     assert engine.get_stats()["kv_blocks_used"] == 0
 
 
+@pytest.mark.skipif(not cpu_packed_linear_supported(torch.bfloat16, torch.device("cpu")),
+                    reason="needs oneDNN's bf16 linear (AVX512-BF16)")
 def test_eager_warmup_runs_each_row_count_then_leaves_no_trace(tiny_llama_dir, monkeypatch):
     from ingot.worker.model_runner import ModelRunner
 
@@ -168,7 +171,8 @@ def test_eager_warmup_runs_each_row_count_then_leaves_no_trace(tiny_llama_dir, m
         return original(self, so)
 
     monkeypatch.setattr(ModelRunner, "prepare_inputs", recording)
-    llm = _llm(tiny_llama_dir, max_num_batched_tokens=512)
+    monkeypatch.setenv("INGOT_CPU_GEMM", "0")  # bf16 linears on oneDNN's packed kernels
+    llm = _llm(tiny_llama_dir, max_num_batched_tokens=512, dtype="bfloat16")
     runner = _runner(llm)
     grid = runner.grid
     # One dummy step per prefill bucket (from position 0) and per decode batch bucket.
@@ -179,3 +183,26 @@ def test_eager_warmup_runs_each_row_count_then_leaves_no_trace(tiny_llama_dir, m
     assert all(bool((cache[:, 0] == 0).all()) for cache in runner.kv_caches)
     stats = llm.llm_engine.get_stats()["buckets"]
     assert stats == type(stats).for_grid(grid)
+
+
+def test_no_warmup_without_onednn_linears(tiny_llama_dir, monkeypatch):
+    """float32 linears run MKL's GEMM (and bf16 ones ingot's GEMM on CPUs without AMX), which
+    build nothing per shape: no dummy step runs. Broken twin: with oneDNN's packed bf16
+    linears (where the CPU has them) the same engine warms up."""
+    from ingot.worker.model_runner import ModelRunner
+
+    steps: list[int] = []
+    original = ModelRunner.prepare_inputs
+
+    def recording(self, so):
+        steps.append(1)
+        return original(self, so)
+
+    monkeypatch.setattr(ModelRunner, "prepare_inputs", recording)
+    llm = _llm(tiny_llama_dir)
+    assert steps == [] and llm.llm_engine.startup_stats()["warmup_seconds"] == 0
+    del llm
+    if cpu_packed_linear_supported(torch.bfloat16, torch.device("cpu")):
+        monkeypatch.setenv("INGOT_CPU_GEMM", "0")
+        llm = _llm(tiny_llama_dir, dtype="bfloat16")
+        assert steps and llm.llm_engine.startup_stats()["warmup_seconds"] > 0

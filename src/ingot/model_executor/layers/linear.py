@@ -163,6 +163,13 @@ def gemv_applies(rows: int, beside_gemm: bool) -> bool:
     return (getattr(_kernel_rows, "rows", 0) or rows) <= limit
 
 
+def runs_onednn_linears(model: nn.Module) -> bool:
+    """Whether any linear of ``model`` runs oneDNN's packed kernels, which oneDNN builds
+    (just in time) for each new input shape on first use: the eager warmup exists for them.
+    ingot's GEMV/GEMM and MKL's float32 GEMM (plain weights) build nothing per shape."""
+    return any(isinstance(m, LinearBase) and m.packed_weight is not None for m in model.modules())
+
+
 def pack_linear_weights(model: nn.Module, keep_plain: bool = False) -> int:
     """Pack every linear layer of ``model`` for oneDNN, and hand ingot's CPU kernels (when
     they build here) to the linears and to every module with an ``attach_cpu_kernels(kernels)``
