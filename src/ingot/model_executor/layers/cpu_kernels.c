@@ -582,6 +582,7 @@ void ingot_rope_write_kv_bf16(const uint16_t *q, int64_t q_stride, const uint16_
 }
 
 /* ---------------------------------------------------------------------------------------- */
+/* the first min(left, 16) lanes of a vector */
 static inline __mmask16 tail16(int64_t left) {
     return (__mmask16)(left >= 16 ? 0xffffu : (1u << left) - 1u);
 }
@@ -652,7 +653,7 @@ void ingot_encoder_attention_f32(const float *q, const float *k, const float *v,
         float *kt = scratch + (int64_t)omp_get_thread_num() * scratch_per_thread; /* [D][Lp] */
         float *sc = kt + D * Lp;                                                  /* [8][Lp] */
         /* keys transposed 16 at a time by gathers (a scalar transpose had cost as much as
-           the scores); keys past L are zero */
+           the scores); keys past L are zero. Lane offsets are int32: stride < 2^31 / 16. */
         const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                                 _mm512_set1_epi32((int)stride));
         const __m512 sv = _mm512_set1_ps(scale);
