@@ -72,17 +72,23 @@ def hf_logits(hf_model: Any, token_ids: list[int]) -> torch.Tensor:
 
 
 def hf_greedy(hf_model: Any, prompt: list[int], n: int) -> list[int]:
-    """Greedy continuation that ignores EOS (like ignore_eos=True), each step over the whole
-    sequence: no HF KV cache, whose call signature has changed between transformers releases
-    (an ignored keyword silently dropped the cache on 5.17). (generate()'s min_new_tokens would
-    instead forbid EOS, a different distribution.) Only the last position goes through the LM
-    head (logits_to_keep=1): a quarter of the default model's work over a long prompt, the
-    same body forward (a release that ignored the keyword would only be slower)."""
+    """Greedy continuation that ignores EOS (like ignore_eos=True), through HF's KV cache
+    (``cache=``, the pinned transformers' keyword; ``past_key_values`` is deprecated there).
+    The cache's length is checked at every step: a keyword a later release ignored would drop
+    the cache and fail here, not feed one token without its context (that happened on 5.17,
+    which is why this once recomputed the whole sequence per token: 2.7x slower on the
+    default model, the same tokens). (generate()'s min_new_tokens would instead forbid EOS, a
+    different distribution.) Only the last position goes through the LM head."""
     tokens: list[int] = []
     with torch.no_grad():
-        for _ in range(n):
-            logits = hf_model(
-                torch.tensor([prompt + tokens]), use_cache=False, logits_to_keep=1
-            ).logits
-            tokens.append(int(logits[0, -1].argmax()))
+        out = hf_model(torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
+        for i in range(n):
+            tokens.append(int(out.logits[0, -1].argmax()))
+            if len(tokens) == n:
+                break
+            cache = out.cache
+            assert cache is not None and cache.get_seq_length() == len(prompt) + i, \
+                "HF's KV cache was dropped or misread (a transformers API change?)"
+            out = hf_model(torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True,
+                           logits_to_keep=1)
     return tokens

@@ -11,8 +11,8 @@ from ingot import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 
-# 16: the HF reference recomputes the whole sequence for each token (paged_harness.hf_greedy),
-# the costliest fixture of the suite; every shape below still decodes past the prompt's end.
+# 16: the HF reference (paged_harness.hf_greedy) is one of the costliest fixtures of the
+# suite; every shape below still decodes past the prompt's end.
 NEW_TOKENS = 16
 _PARAGRAPH = (
     "The history of mathematics spans thousands of years, from counting marks on bones to "
