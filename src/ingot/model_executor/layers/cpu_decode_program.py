@@ -71,8 +71,8 @@ class CpuDecodeProgram:
         self.linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                          layer.mlp.gate_up_proj, layer.mlp.down_proj) for layer in decoder.layers]
         self.gemm = first.self_attn.qkv_proj.gemm_weight is not None  # as every linear
-        self.gemm_weights = [tuple(lin.gemm_weight.data_ptr() for lin in linears)
-                             for linears in self.linears] if self.gemm else []
+        self.gemm_weights = [tuple(lin.gemm_weight.data_ptr() if self.gemm else None
+                                   for lin in linears) for linears in self.linears]
         self.cos_sin = first.self_attn.rotary.cos_sin_cache
         self.norm = decoder.norm
         self._buffers: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -155,7 +155,19 @@ class CpuDecodeProgram:
         value_offset = kv_caches[0][0].numel() * 2  # bytes from a cache's keys to its values
         embedded = self.model.model.embed_tokens(input_ids.view(rows))
         rms, gemv, attend, silu = k.rms_norm, k.gemv, k.decode_attention, k.silu_mul
-        gemm = k.gemm if self.gemm else None
+        # ingot's kernels write into the step's buffers; without its GEMM, rows the GEMV does
+        # not serve go through the modules, whose forward (oneDNN) returns fresh tensors.
+        matmul = gemv if use_gemv else k.gemm if self.gemm else None
+
+        def project(module: Any, weight: int | None, src: torch.Tensor, bias: int,
+                    out: torch.Tensor, n_out: int, n_in: int) -> torch.Tensor:
+            if matmul is None:
+                return module(src)
+            # (the GEMM returns nonzero when it could not get its row buffers)
+            if matmul(src.data_ptr(), weight, bias, out.data_ptr(), rows, n_out, n_in, threads):
+                raise MemoryError("GEMM kernel: no memory for its row buffers")
+            return out
+
         residual_in = embedded.data_ptr()  # layer 0: residual = the embedding, no add
         aux_layers = self.model.model.aux_hidden_state_layers
         aux = []
@@ -169,15 +181,8 @@ class CpuDecodeProgram:
                 rms(residual_in, None, in_w, xp, None, rows, hidden, in_eps, threads)
             if i in aux_layers:  # EAGLE3: the layer's input, the residual stream
                 aux.append((res if residual_in == rp else embedded).clone())
-            # ingot's kernels write into the step's buffers (the GEMM returns nonzero when it
-            # could not get its row buffers); oneDNN returns fresh tensors.
-            matmul = gemv if use_gemv else gemm
-            if matmul is not None:
-                weights = (qkv_w, o_w, gu_w, down_w) if use_gemv else self.gemm_weights[i]
-            if matmul is None:
-                qkv = linears[0](x)
-            elif matmul(xp, weights[0], qkv_b, qkv.data_ptr(), rows, qkv_size, hidden, threads):
-                raise MemoryError("GEMM kernel: no memory for its row buffers")
+            weights = (qkv_w, o_w, gu_w, down_w) if use_gemv else self.gemm_weights[i]
+            qkv = project(linears[0], weights[0], x, qkv_b, qkv, qkv_size, hidden)
             qkvp = qkv.data_ptr()
             kc = cache.data_ptr()
             vc = kc + value_offset
@@ -193,23 +198,12 @@ class CpuDecodeProgram:
                 attend(qkvp, qkv_size, qkvp + q_bytes, qkv_size, qkvp + q_bytes + kv_bytes,
                        qkv_size, *step_args, kc, vc, *tail_args, window, scale,
                        scratch.data_ptr(), per_thread, threads)
-            if matmul is None:
-                h = linears[1](attn)
-            elif matmul(attnp, weights[1], o_b, h.data_ptr(), rows, hidden, heads * head_dim,
-                        threads):
-                raise MemoryError("GEMM kernel: no memory for its row buffers")
+            h = project(linears[1], weights[1], attn, o_b, h, hidden, heads * head_dim)
             rms(h.data_ptr(), residual_in, post_w, xp, rp, rows, hidden, post_eps, threads)
             residual_in = rp
-            if matmul is None:
-                gate_up = linears[2](x)
-            elif matmul(xp, weights[2], gu_b, gate_up.data_ptr(), rows, 2 * inter, hidden,
-                        threads):
-                raise MemoryError("GEMM kernel: no memory for its row buffers")
+            gate_up = project(linears[2], weights[2], x, gu_b, gate_up, 2 * inter, hidden)
             silu(gate_up.data_ptr(), actp, rows, inter, threads)
-            if matmul is None:
-                h = linears[3](act)
-            elif matmul(actp, weights[3], down_b, h.data_ptr(), rows, hidden, inter, threads):
-                raise MemoryError("GEMM kernel: no memory for its row buffers")
+            h = project(linears[3], weights[3], act, down_b, h, hidden, inter)
         out, _ = self.norm(h, res)  # a fresh tensor: the buffers are reused next step
         if aux:
             self.model.model.aux_hidden_states = torch.cat(aux, dim=-1)
