@@ -151,7 +151,7 @@ def test_bert_causal_mask_breaks_the_gate(tiny_bert, monkeypatch):
         llm.llm_engine.shutdown()
 
 
-@pytest.mark.needs_kernels
+@pytest.mark.needs_f32_kernels
 def test_bert_fp32_blocks_bind_the_fused_epilogues(tiny_bert, monkeypatch):
     """Every fp32 block takes ingot's fused epilogue kernels at load (the gates above run
     through them); a GELU kernel handed a zero bias must then break the HF gate, and bf16

@@ -172,9 +172,10 @@ def test_packed_linear_uses_the_kernel_for_single_rows_only():
 
 
 def test_disabled_by_environment(monkeypatch):
-    monkeypatch.setattr(cpu_kernels, "_loaded", cpu_kernels._UNSET)
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
     monkeypatch.setenv("INGOT_CPU_KERNELS", "0")
     assert cpu_kernels.load_cpu_kernels() is None
+    assert cpu_kernels.load_f32_kernels() is None
 
 
 @pytest.mark.needs_kernels
@@ -385,36 +386,49 @@ def _per_sequence_sdpa(q, k, v, lens):
     return torch.cat(out)
 
 
-@pytest.mark.needs_kernels
+# Every float32 build this CPU runs (an AVX-512 CPU tests its AVX2 build too).
+F32_BUILDS = [pytest.param(isa, marks=pytest.mark.needs_f32_kernels) for isa in cpu_kernels.F32_ISAS]
+
+
+def _f32(isa: str) -> cpu_kernels.F32Kernels:
+    kernels = cpu_kernels.load_f32_kernels(isa)
+    if kernels is None:
+        pytest.skip(f"this CPU does not run the {isa} float32 kernels")
+    return kernels
+
+
+@pytest.mark.parametrize("isa", F32_BUILDS)
 @pytest.mark.parametrize(("heads", "head_dim"), [(12, 32), (2, 16), (4, 64), (3, 48)])
-def test_encoder_attention_matches_per_sequence_sdpa(heads, head_dim):
+def test_encoder_attention_matches_per_sequence_sdpa(isa, heads, head_dim):
     """Packed sequences of 1-130 rows (tails of 8-row, 32-key and 16-column blocks), read in place from a
     fused qkv output; padded rows after the last sequence come out zero; a sequence alone gives
     the very same rows. Broken twin: one bidirectional attention over the whole packed batch
     (neighbours leaking into each other) fails the same tolerance."""
+    kernels = _f32(isa)
     torch.manual_seed(0)
     lens = [1, 5, 16, 17, 64, 130, 3]
     total, pad = sum(lens), 6
     qkv = torch.randn(total + pad, 3 * heads * head_dim)
     q, k, v = (x.reshape(-1, heads, head_dim) for x in qkv.chunk(3, dim=-1))
     starts = torch.tensor([0, *lens]).cumsum(0)
-    out = cpu_kernels.encoder_attention_f32(fn, q, k, v, starts, head_dim**-0.5, max(lens))
+    out = cpu_kernels.encoder_attention_f32(kernels, q, k, v, starts, head_dim**-0.5, max(lens))
     ref = _per_sequence_sdpa(q, k, v, lens)
     assert torch.allclose(out[:total], ref, atol=1e-5)
     assert out[total:].eq(0).all()
     s, n = int(starts[5]), lens[5]
     alone = cpu_kernels.encoder_attention_f32(
-        fn, q[s : s + n], k[s : s + n], v[s : s + n], torch.tensor([0, n]), head_dim**-0.5, n)
+        kernels, q[s : s + n], k[s : s + n], v[s : s + n], torch.tensor([0, n]), head_dim**-0.5, n)
     assert torch.equal(alone, out[s : s + n])
     leaky = _per_sequence_sdpa(q, k, v, [total])
     assert not torch.allclose(out[:total], leaky, atol=1e-5)
 
 
-@pytest.mark.needs_kernels
+@pytest.mark.parametrize("isa", F32_BUILDS)
 @pytest.mark.parametrize(("rows", "width"), [(64, 1536), (3, 20)])
-def test_bias_gelu_equals_torch_erf_gelu(rows, width):
+def test_bias_gelu_equals_torch_erf_gelu(isa, rows, width):
     """Within float32 noise of F.gelu(x + bias) in float64, as close as torch's own (row tails
-    of 16 lanes, large |x| where erf saturates). Broken twin: the tanh GELU fails the bound."""
+    of a vector, large |x| where erf saturates). Broken twin: the tanh GELU fails the bound."""
+    kernels = _f32(isa)
     torch.manual_seed(6)
     x = torch.randn(rows, width) * 4
     x[0, :4] = torch.tensor([-30.0, 30.0, -9.0, 0.0])
@@ -422,16 +436,17 @@ def test_bias_gelu_equals_torch_erf_gelu(rows, width):
     ref = F.gelu((x + bias).double())
     tol = 2e-6 * (1 + ref.abs())
     assert ((F.gelu(x + bias) - ref).abs() <= tol).all()  # the bound holds torch's own GELU
-    got = cpu_kernels.bias_gelu_f32_(fn, x.clone(), bias)
+    got = cpu_kernels.bias_gelu_f32_(kernels, x.clone(), bias)
     assert ((got - ref).abs() <= tol).all()
     assert not ((F.gelu(x + bias, approximate="tanh") - ref).abs() <= tol).all()
 
 
-@pytest.mark.needs_kernels
+@pytest.mark.parametrize("isa", F32_BUILDS)
 @pytest.mark.parametrize(("rows", "width"), [(64, 384), (3, 20)])
-def test_add_layernorm_equals_torch(rows, width):
+def test_add_layernorm_equals_torch(isa, rows, width):
     """LayerNorm(x + bias + residual) in one pass, in place or not, bias or residual absent.
     Broken twin: without the residual it fails the same tolerance."""
+    kernels = _f32(isa)
     torch.manual_seed(7)
     x, residual = torch.randn(rows, width) * 3, torch.randn(rows, width)
     bias, w, b = torch.randn(width), torch.randn(width), torch.randn(width)
@@ -439,12 +454,12 @@ def test_add_layernorm_equals_torch(rows, width):
     def ref(h):
         return F.layer_norm(h.double(), (width,), w.double(), b.double(), 1e-12).float()
 
-    got = cpu_kernels.add_layernorm_f32(fn, x, bias, residual, w, b, 1e-12)
+    got = cpu_kernels.add_layernorm_f32(kernels, x, bias, residual, w, b, 1e-12)
     assert torch.allclose(got, ref(x + bias + residual), atol=1e-5)
     inplace = x.clone()
-    cpu_kernels.add_layernorm_f32(fn, inplace, None, residual, w, b, 1e-12, out=inplace)
+    cpu_kernels.add_layernorm_f32(kernels, inplace, None, residual, w, b, 1e-12, out=inplace)
     assert torch.allclose(inplace, ref(x + residual), atol=1e-5)
-    assert torch.allclose(cpu_kernels.add_layernorm_f32(fn, x, None, None, w, b, 1e-12), ref(x),
+    assert torch.allclose(cpu_kernels.add_layernorm_f32(kernels, x, None, None, w, b, 1e-12), ref(x),
                           atol=1e-5)
-    assert not torch.allclose(cpu_kernels.add_layernorm_f32(fn, x, bias, None, w, b, 1e-12),
+    assert not torch.allclose(cpu_kernels.add_layernorm_f32(kernels, x, bias, None, w, b, 1e-12),
                               ref(x + bias + residual), atol=1e-5)

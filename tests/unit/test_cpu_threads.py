@@ -335,7 +335,7 @@ def test_max_threads_must_be_positive() -> None:
         AdaptiveThreads(0)
 
 
-@pytest.mark.needs_kernels
+@pytest.mark.needs_f32_kernels
 def test_bind_pins_the_calling_threads_team() -> None:
     import os
 

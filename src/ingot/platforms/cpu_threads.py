@@ -320,9 +320,9 @@ def plan_threads(
 
 def _bind_current_team(cpus: tuple[int, ...]) -> bool:
     """Bind the calling thread's OpenMP team (thread i -> cpus[i]); False if not possible."""
-    from ingot.model_executor.layers.cpu_kernels import load_cpu_kernels
+    from ingot.model_executor.layers.cpu_kernels import load_f32_kernels
 
-    kernels = load_cpu_kernels()
+    kernels = load_f32_kernels()
     if kernels is not None:
         import ctypes
 

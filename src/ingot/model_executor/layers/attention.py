@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from ingot.model_executor.layers.cpu_kernels import encoder_attention_f32, load_cpu_kernels
+from ingot.model_executor.layers.cpu_kernels import encoder_attention_f32, load_f32_kernels
 
 
 @dataclass
@@ -285,7 +285,7 @@ def encoder_attention(
     num_tokens, num_heads, head_dim = query.shape
     num_reqs, max_q = meta.num_reqs, meta.max_query_len
     n = meta.num_actual_tokens
-    kernels = load_cpu_kernels() if query.dtype == torch.float32 and query.device.type == "cpu" \
+    kernels = load_f32_kernels() if query.dtype == torch.float32 and query.device.type == "cpu" \
         else None
     if kernels is not None and head_dim % 16 == 0:
         # Real tokens (those with a slot) come first and padding trails them, so clamping the

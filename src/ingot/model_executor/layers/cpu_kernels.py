@@ -19,10 +19,15 @@ project's 2-core machine (single-stream decode of the default model):
   per expert from Python.
 Elementwise results round to bf16 at the same points as the torch ops they replace.
 
-The C source is built once per machine with the system C compiler into the ingot cache
+Encoder-only models' float32 kernels and OpenMP thread pinning need no bf16 math, so they live
+in a second library (cpu_kernels_f32.c, :func:`load_f32_kernels`) built for the widest of
+AVX-512 or AVX2 + FMA the CPU runs: CPUs without AVX512-BF16 (AMD Zen 2/3, older Xeons) still
+get them.
+
+Each C source is built once per machine and ISA with the system C compiler into the ingot cache
 (``$INGOT_CACHE_ROOT/kernels``) and loaded with ctypes; OpenMP is the libgomp torch already
-loaded. Without a compiler, without AVX512-BF16, or with ``INGOT_CPU_KERNELS=0``,
-:func:`load_cpu_kernels` returns None and the torch ops / oneDNN run.
+loaded. Without a compiler, without the ISA, or with ``INGOT_CPU_KERNELS=0``, the loaders
+return None and the torch ops / oneDNN run.
 """
 
 from __future__ import annotations
@@ -53,10 +58,16 @@ GEMV_BLOCK_ROWS, GEMV_BLOCK_K = 8, 32  # the packed layout (GEMV_ROWS in the C s
 ATTN_MAX_HEAD_DIM, ATTN_MAX_GROUP = 256, 16
 
 _SOURCE_PATH = Path(__file__).with_suffix(".c")
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared",
-          "-fPIC", "-lm"]
-_UNSET = object()
-_loaded: object = _UNSET
+_F32_SOURCE_PATH = Path(__file__).with_name("cpu_kernels_f32.c")
+_COMMON_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-lm"]
+_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", *_COMMON_FLAGS]
+# The float32 library's builds, widest first: the /proc/cpuinfo flags each needs, its compiler
+# flags and its vector width (the built library reports the width it was compiled for).
+F32_ISAS: dict[str, tuple[tuple[str, ...], tuple[str, ...], int]] = {
+    "avx512": (("avx512f",), ("-mavx512f",), 16),
+    "avx2": (("avx2", "fma"), ("-mavx2", "-mfma"), 8),
+}
+_loaded: dict[str, object] = {}  # library name -> its bound entry points, or None
 
 
 class CpuKernels:
@@ -64,42 +75,53 @@ class CpuKernels:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-        self.gemv = self._bind(lib.ingot_gemv_bf16, [p] * 4 + [i64] * 3 + [i32])
-        self.gemm = self._bind(lib.ingot_gemm_bf16, [p] * 4 + [i64] * 3 + [i32])
+        self.gemv = _bind(lib.ingot_gemv_bf16, [p] * 4 + [i64] * 3 + [i32])
+        self.gemm = _bind(lib.ingot_gemm_bf16, [p] * 4 + [i64] * 3 + [i32])
         self.gemm.restype = ctypes.c_int
-        self.rms_norm = self._bind(lib.ingot_rmsnorm_bf16, [p] * 5 + [i64] * 2 + [f32, i32])
-        self.silu_mul = self._bind(lib.ingot_silu_mul_bf16, [p] * 2 + [i64] * 2 + [i32])
-        self.decode_attention = self._bind(
+        self.rms_norm = _bind(lib.ingot_rmsnorm_bf16, [p] * 5 + [i64] * 2 + [f32, i32])
+        self.silu_mul = _bind(lib.ingot_silu_mul_bf16, [p] * 2 + [i64] * 2 + [i32])
+        self.decode_attention = _bind(
             lib.ingot_decode_attention_bf16,
             [p, i64, p, i64, p, i64] + [p] * 8 + [i64] * 7 + [f32, p, i64, i32],
         )
-        self.argmax = self._bind(lib.ingot_argmax_bf16, [p] * 2 + [i64] * 2 + [i32])
-        self.write_kv = self._bind(
+        self.argmax = _bind(lib.ingot_argmax_bf16, [p] * 2 + [i64] * 2 + [i32])
+        self.write_kv = _bind(
             lib.ingot_write_kv_bf16, [p, i64, p, i64, p, p, p, i64, i64, i32]
         )
-        self.rope_write_kv = self._bind(
+        self.rope_write_kv = _bind(
             lib.ingot_rope_write_kv_bf16, [p, i64, p, i64, p, i64] + [p] * 7 + [i64] * 4 + [i32]
         )
-        self.encoder_attention = self._bind(
-            lib.ingot_encoder_attention_f32, [p] * 3 + [i64, p, i64, p] + [i64] * 3 + [f32, p, i64, i32]
-        )
-        self.bias_gelu = self._bind(lib.ingot_bias_gelu_f32, [p, p, i64, i64, i32])
-        self.add_layernorm = self._bind(lib.ingot_add_layernorm_f32, [p] * 6 + [i64] * 2 + [f32, i32])
         moe_args = [p] * 6 + [i64] * 6 + [i32]
-        self.fused_moe = {torch.bfloat16: self._bind(lib.ingot_fused_moe_bf16, moe_args),
-                          torch.float32: self._bind(lib.ingot_fused_moe_f32, moe_args)}
+        self.fused_moe = {torch.bfloat16: _bind(lib.ingot_fused_moe_bf16, moe_args),
+                          torch.float32: _bind(lib.ingot_fused_moe_f32, moe_args)}
         for fn in self.fused_moe.values():
             fn.restype = i32  # -1: its work buffers could not be allocated
-        self.moe_pack = self._bind(lib.ingot_moe_pack_bf16, [p] * 2 + [i64] * 3)
-        self.bind_threads = lib.ingot_bind_threads  # platforms/cpu_threads.py pins teams with it
-        self.bind_threads.restype = ctypes.c_int
-        self.bind_threads.argtypes = [ctypes.POINTER(ctypes.c_int), i32]
+        self.moe_pack = _bind(lib.ingot_moe_pack_bf16, [p] * 2 + [i64] * 3)
 
-    @staticmethod
-    def _bind(fn, argtypes):  # noqa: ANN001, ANN205
-        fn.restype = None
-        fn.argtypes = argtypes
-        return fn
+
+class F32Kernels:
+    """The float32 library's entry points (encoder attention and epilogues, thread pinning),
+    built for one ISA of :data:`F32_ISAS`."""
+
+    def __init__(self, lib: ctypes.CDLL, isa: str) -> None:
+        p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+        self.isa = isa
+        self.lanes = _bind(lib.ingot_f32_lanes, [], i32)()
+        if self.lanes != F32_ISAS[isa][2]:
+            raise OSError(f"the {isa} float32 kernels were built for {self.lanes} lanes")
+        self.encoder_attention = _bind(
+            lib.ingot_encoder_attention_f32, [p] * 3 + [i64, p, i64, p] + [i64] * 3 + [f32, p, i64, i32]
+        )
+        self.bias_gelu = _bind(lib.ingot_bias_gelu_f32, [p, p, i64, i64, i32])
+        self.add_layernorm = _bind(lib.ingot_add_layernorm_f32, [p] * 6 + [i64] * 2 + [f32, i32])
+        # platforms/cpu_threads.py pins teams with it
+        self.bind_threads = _bind(lib.ingot_bind_threads, [ctypes.POINTER(ctypes.c_int), i32], i32)
+
+
+def _bind(fn, argtypes, restype=None):  # noqa: ANN001, ANN202
+    fn.restype = restype
+    fn.argtypes = argtypes
+    return fn
 
 
 def _cpu_flags() -> str:
@@ -109,9 +131,18 @@ def _cpu_flags() -> str:
         return ""
 
 
+def _cpu_has(*flags: str) -> bool:
+    info = _cpu_flags()
+    return all(f" {flag}" in info for flag in flags)
+
+
 def _cpu_has_avx512_bf16() -> bool:
-    flags = _cpu_flags()
-    return all(f" {flag}" in flags for flag in ("avx512_bf16", "avx512bw", "avx512vl"))
+    return _cpu_has("avx512_bf16", "avx512bw", "avx512vl")
+
+
+def f32_isas() -> tuple[str, ...]:
+    """The float32 library's ISAs this CPU runs, widest first (empty: none)."""
+    return tuple(isa for isa, (needs, _, _) in F32_ISAS.items() if _cpu_has(*needs))
 
 
 def gemm_preferred() -> bool:
@@ -132,10 +163,10 @@ def _kernel_dir() -> Path:
     return default_cache_root() / "kernels"
 
 
-def _build(compiler: str) -> Path:
-    source = _SOURCE_PATH.read_text()
-    digest = hashlib.sha256((source + " ".join(_FLAGS) + compiler).encode()).hexdigest()[:16]
-    target = _kernel_dir() / f"ingot_cpu_kernels_{digest}.so"
+def _build(compiler: str, source_path: Path, flags: list[str]) -> Path:
+    source = source_path.read_text()
+    digest = hashlib.sha256((source + " ".join(flags) + compiler).encode()).hexdigest()[:16]
+    target = _kernel_dir() / f"ingot_{source_path.stem}_{digest}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -144,7 +175,7 @@ def _build(compiler: str) -> Path:
         src.write_text(source)
         staged = Path(tmp) / target.name
         subprocess.run(
-            [compiler, str(src), "-o", str(staged), *_FLAGS],
+            [compiler, str(src), "-o", str(staged), *flags],
             check=True, capture_output=True, text=True, timeout=120,
         )
         os.replace(staged, target)  # atomic: a concurrent process sees all of it or nothing
@@ -152,26 +183,50 @@ def _build(compiler: str) -> Path:
     return target
 
 
-def load_cpu_kernels() -> CpuKernels | None:
-    """The kernels, built and loaded once per process; None where they cannot be used."""
-    global _loaded
-    if _loaded is not _UNSET:
-        return _loaded  # type: ignore[return-value]
-    _loaded = None
-    if os.environ.get("INGOT_CPU_KERNELS", "1") == "0" or not _cpu_has_avx512_bf16():
+def _load(name: str, source_path: Path, flags: list[str], bind):  # noqa: ANN001, ANN202
+    """One library, built and loaded once per process: ``bind(CDLL)``, or None where it cannot
+    be used (disabled, no compiler, a failed build)."""
+    if name in _loaded:
+        return _loaded[name]
+    _loaded[name] = None
+    if os.environ.get("INGOT_CPU_KERNELS", "1") == "0":
         return None
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
-        logger.info("no C compiler found: decode uses torch ops and oneDNN only")
+        logger.info("no C compiler found: ingot's CPU kernels are off, torch ops and oneDNN run")
         return None
     try:
-        kernels = CpuKernels(ctypes.CDLL(str(_build(compiler))))
+        kernels = bind(ctypes.CDLL(str(_build(compiler, source_path, flags))))
     except (OSError, AttributeError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
-        logger.warning("ingot's CPU kernels are unavailable (%s): using torch ops", detail)
+        logger.warning("ingot's CPU kernels (%s) are unavailable (%s): using torch ops", name, detail)
         return None
-    _loaded = kernels
+    _loaded[name] = kernels
     return kernels
+
+
+def load_cpu_kernels() -> CpuKernels | None:
+    """The bf16 decode kernels (and the fused MoE), built and loaded once per process; None
+    where they cannot be used (no AVX512-BF16 among them)."""
+    if not _cpu_has_avx512_bf16():
+        return None
+    return _load("bf16", _SOURCE_PATH, _FLAGS, CpuKernels)
+
+
+def load_f32_kernels(isa: str | None = None) -> F32Kernels | None:
+    """The float32 kernels for ``isa`` (one of :data:`F32_ISAS`; default: the widest this CPU
+    runs), built and loaded once per process; None where they cannot be used."""
+    runs = f32_isas()
+    if isa is None:
+        if not runs:
+            return None
+        isa = runs[0]
+    elif isa not in F32_ISAS:
+        raise ValueError(f"unknown float32 kernel ISA {isa!r}; one of {sorted(F32_ISAS)}")
+    elif isa not in runs:
+        return None
+    flags = [*F32_ISAS[isa][1], *_COMMON_FLAGS]
+    return _load(f"f32-{isa}", _F32_SOURCE_PATH, flags, lambda lib: F32Kernels(lib, isa))
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -399,7 +454,7 @@ def rope_write_kv_bf16(
 
 
 def encoder_attention_f32(
-    kernels: CpuKernels,
+    kernels: F32Kernels,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -433,7 +488,7 @@ def encoder_attention_f32(
     return out
 
 
-def bias_gelu_f32_(kernels: CpuKernels, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def bias_gelu_f32_(kernels: F32Kernels, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """x = gelu(x + bias) in place (erf GELU, as ``F.gelu``): x [M, N] contiguous float32, bias
     [N] float32. The epilogue of a linear run without its bias (``torch.mm``)."""
     assert x.is_contiguous() and x.dtype == torch.float32 and bias.dtype == torch.float32
@@ -443,7 +498,7 @@ def bias_gelu_f32_(kernels: CpuKernels, x: torch.Tensor, bias: torch.Tensor) -> 
 
 
 def add_layernorm_f32(
-    kernels: CpuKernels,
+    kernels: F32Kernels,
     x: torch.Tensor,
     bias: torch.Tensor | None,
     residual: torch.Tensor | None,
@@ -516,10 +571,15 @@ def fused_moe(
 
 
 def bind_cpu_kernels(model: torch.nn.Module) -> int:
-    """Offer ingot's CPU kernels to every layer of ``model`` that has a path through them (a
-    ``bind_cpu_kernels(kernels) -> bool`` method: MoE experts, BERT's fused epilogues). Each
+    """Offer ingot's CPU kernels to every layer of ``model`` that has a path through them: a
+    ``bind_cpu_kernels(kernels) -> bool`` method takes the bf16 library (MoE experts), a
+    ``bind_f32_kernels(kernels) -> bool`` method the float32 one (BERT's fused epilogues). Each
     decides once, here at load, from the weights it holds, so forwards test nothing; returns
     how many layers took them."""
-    layers = [m for m in model.modules() if callable(getattr(m, "bind_cpu_kernels", None))]
-    kernels = load_cpu_kernels() if layers else None
-    return sum(bool(layer.bind_cpu_kernels(kernels)) for layer in layers)
+    taken = 0
+    for method, load in (("bind_cpu_kernels", load_cpu_kernels),
+                         ("bind_f32_kernels", load_f32_kernels)):
+        layers = [m for m in model.modules() if callable(getattr(m, method, None))]
+        kernels = load() if layers else None
+        taken += sum(bool(getattr(layer, method)(kernels)) for layer in layers)
+    return taken

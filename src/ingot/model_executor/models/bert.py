@@ -23,7 +23,7 @@ from torch.nn import functional as F
 
 from ingot.model_executor.layers.attention import AttentionMetadata, encoder_attention
 from ingot.model_executor.layers.cpu_kernels import (
-    CpuKernels,
+    F32Kernels,
     add_layernorm_f32,
     bias_gelu_f32_,
 )
@@ -69,9 +69,9 @@ class _FusedEpilogue(nn.Module):
     ~15% of an encoder step, beside ~80% in the GEMMs. Whether the kernels apply is decided
     once, at load (``bind_cpu_kernels``), from the weights this block holds."""
 
-    cpu_kernels: CpuKernels | None = None
+    cpu_kernels: F32Kernels | None = None
 
-    def bind_cpu_kernels(self, kernels: CpuKernels | None) -> bool:
+    def bind_f32_kernels(self, kernels: F32Kernels | None) -> bool:
         weight = self._kernel_weight()
         applies = (kernels is not None and weight.dtype == torch.float32
                    and weight.device.type == "cpu" and self._kernel_applies())
@@ -85,7 +85,7 @@ class _FusedEpilogue(nn.Module):
         return self.dense.weight.numel() > 0  # the plain weight torch.mm reads (not packed)
 
 
-def _add_norm(kernels: CpuKernels, x: torch.Tensor, bias: torch.Tensor | None,
+def _add_norm(kernels: F32Kernels, x: torch.Tensor, bias: torch.Tensor | None,
               residual: torch.Tensor | None, norm: nn.LayerNorm) -> torch.Tensor:
     """``norm(x + bias + residual)``, in place in x."""
     return add_layernorm_f32(kernels, x, bias, residual, norm.weight, norm.bias, norm.eps, out=x)

@@ -1,0 +1,342 @@
+/* ingot's float32 CPU kernels (encoder-only models: attention, bias + GELU, bias + residual +
+ * LayerNorm) and OpenMP thread pinning, built by cpu_kernels.py for the widest vector ISA the
+ * CPU runs: AVX-512 (16 lanes) or AVX2 + FMA (8 lanes, e.g. AMD Zen 2/3, older Xeons). Unlike
+ * the bf16 decode kernels (cpu_kernels.c, AVX512-BF16 only) nothing here needs bf16 math, so
+ * the kernels are written once over the small vector layer below and each build picks its
+ * lane width and tile sizes. */
+#define _GNU_SOURCE /* sched_setaffinity, CPU_SET: ingot_bind_threads */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <sched.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define INL static inline __attribute__((always_inline))
+
+#if defined(__AVX512F__)
+/* ---- AVX-512: 16 lanes, k-masks ---------------------------------------------------------- */
+#define VL 16
+#define EA_ROWS 8 /* attention tile rows: 8 x 2 accumulators of 32 zmm */
+typedef __m512 vf;
+typedef __mmask16 vm;
+typedef __m512i vi;
+INL vf vzero(void) { return _mm512_setzero_ps(); }
+INL vf vset1(float a) { return _mm512_set1_ps(a); }
+INL vf vload(const float *p) { return _mm512_loadu_ps(p); }
+INL void vstore(float *p, vf v) { _mm512_storeu_ps(p, v); }
+INL vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+INL vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+INL vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+INL vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
+INL vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+INL vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }   /* a b + c */
+INL vf vfnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); } /* c - a b */
+INL vf vround(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+INL vf vrcp(vf a) { return _mm512_rcp14_ps(a); } /* ~14 bits */
+INL vf vabs(vf a) { return _mm512_abs_ps(a); }
+INL vf vand(vf a, vf b) { return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), _mm512_castps_si512(b))); }
+INL vf vor(vf a, vf b) { return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(a), _mm512_castps_si512(b))); }
+INL vf vldexp(vf p, vf n) { return _mm512_scalef_ps(p, n); } /* p 2^n, n integral */
+INL float vhsum(vf a) { return _mm512_reduce_add_ps(a); }
+INL float vhmax(vf a) { return _mm512_reduce_max_ps(a); }
+INL vm vtail(int64_t left) { return (vm)(left >= 16 ? 0xffffu : (1u << left) - 1u); } /* first min(left, 16) lanes */
+INL vm vnone(void) { return 0; }
+INL vf vloadz(vm m, const float *p) { return _mm512_maskz_loadu_ps(m, p); }
+INL void vstorem(float *p, vm m, vf v) { _mm512_mask_storeu_ps(p, m, v); }
+INL vf vkeep(vm m, vf v) { return _mm512_maskz_mov_ps(m, v); }               /* lanes not in m: 0 */
+INL vf vmax_in(vf acc, vm m, vf v) { return _mm512_mask_max_ps(acc, m, acc, v); } /* max over m */
+/* rows i * stride of a column, i < VL; int32 lane offsets: stride < 2^31 / VL */
+INL vi vrows(int64_t stride) {
+    return _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                              _mm512_set1_epi32((int)stride));
+}
+INL vf vgather(const float *base, vi rows, vm m) {
+    return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, rows, base, 4);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+/* ---- AVX2 + FMA: 8 lanes, masks as all-ones lanes ----------------------------------------- */
+#define VL 8
+#define EA_ROWS 6 /* 6 x 2 accumulators + 2 key vectors + a broadcast fit the 16 ymm registers */
+typedef __m256 vf;
+typedef __m256 vm;
+typedef __m256i vi;
+INL vf vzero(void) { return _mm256_setzero_ps(); }
+INL vf vset1(float a) { return _mm256_set1_ps(a); }
+INL vf vload(const float *p) { return _mm256_loadu_ps(p); }
+INL void vstore(float *p, vf v) { _mm256_storeu_ps(p, v); }
+INL vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+INL vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+INL vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+INL vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
+INL vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+INL vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+INL vf vfnma(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+INL vf vround(vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+INL vf vrcp(vf a) { return _mm256_rcp_ps(a); } /* ~12 bits */
+INL vf vabs(vf a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
+INL vf vand(vf a, vf b) { return _mm256_and_ps(a, b); }
+INL vf vor(vf a, vf b) { return _mm256_or_ps(a, b); }
+INL vf vpow2i(vf n) { /* 2^n for integral n in [-126, 127]: n + 127 into the exponent field */
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+INL vf vldexp(vf p, vf n) { /* in two halves, each in the normal range, as scalef's one rounding */
+    const vf h = vround(vmul(n, vset1(0.5f)));
+    return vmul(vmul(p, vpow2i(h)), vpow2i(vsub(n, h)));
+}
+INL float vhsum(vf a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+INL float vhmax(vf a) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+INL vm vtail(int64_t left) {
+    const int n = left >= 8 ? 8 : (int)left;
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+INL vm vnone(void) { return _mm256_setzero_ps(); }
+INL vf vloadz(vm m, const float *p) { return _mm256_maskload_ps(p, _mm256_castps_si256(m)); }
+INL void vstorem(float *p, vm m, vf v) { _mm256_maskstore_ps(p, _mm256_castps_si256(m), v); }
+INL vf vkeep(vm m, vf v) { return _mm256_and_ps(m, v); }
+INL vf vmax_in(vf acc, vm m, vf v) { return _mm256_blendv_ps(acc, _mm256_max_ps(acc, v), m); }
+INL vi vrows(int64_t stride) {
+    return _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)stride));
+}
+INL vf vgather(const float *base, vi rows, vm m) {
+    return _mm256_mask_i32gather_ps(_mm256_setzero_ps(), base, rows, m, 4);
+}
+#else
+#error "ingot's float32 kernels need AVX-512 or AVX2 + FMA"
+#endif
+
+/* The first min(left, VL) floats at p (the rest zero), and their store: whole vectors take
+   plain loads and stores (AVX2's masked store is slow on some CPUs even with every lane set). */
+INL vf vload_part(const float *p, int64_t left) { return left >= VL ? vload(p) : vloadz(vtail(left), p); }
+INL void vstore_part(float *p, vf v, int64_t left) {
+    if (left >= VL) vstore(p, v);
+    else vstorem(p, vtail(left), v);
+}
+
+/* The vector width this build was compiled for (cpu_kernels.py checks it against the ISA it
+   asked for). */
+int ingot_f32_lanes(void) { return VL; }
+
+/* e^x: range reduction by ln 2 and a degree-7 Taylor polynomial on [-ln2/2, ln2/2] (relative
+   error < 2e-7, about one float32 ulp). */
+INL vf exp_ps(vf x) {
+    x = vmax(vmin(x, vset1(88.7f)), vset1(-103.0f));
+    const vf n = vround(vmul(x, vset1(1.44269504088896341f)));
+    vf r = vfnma(n, vset1(0.693359375f), x);
+    r = vfnma(n, vset1(-2.12194440e-4f), r);
+    vf p = vset1(1.0f / 5040);
+    p = vfma(p, r, vset1(1.0f / 720));
+    p = vfma(p, r, vset1(1.0f / 120));
+    p = vfma(p, r, vset1(1.0f / 24));
+    p = vfma(p, r, vset1(1.0f / 6));
+    p = vfma(p, r, vset1(0.5f));
+    p = vfma(p, r, vset1(1.0f));
+    p = vfma(p, r, vset1(1.0f));
+    return vldexp(p, n);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Bidirectional attention of an encoder's packed prefill, float32: sequence b is rows
+   starts[b] .. starts[b+1]-1 of q/k/v (row stride `stride`, head h at columns h*D ..), and
+   each of its rows attends to exactly those rows. One task per (sequence, head) reads its
+   rows in place (no [B, Lmax] grid, no padded keys: the work is sum L^2, not B * Lmax^2) and
+   depends on nothing else in the batch, so a sequence's output is the same alone or packed.
+   Tiles of EA_ROWS query rows x 2 vectors of keys (scores, keys transposed to [D][L]: no
+   horizontal sums) and EA_ROWS rows x 2 vectors of output columns (p.v) keep 2 EA_ROWS
+   independent FMA chains in flight per EA_ROWS + 2 loads (4-row tiles had a load per FMA and
+   4 latency-bound chains); on AVX-512 with the gathered transpose, MiniLM's shapes (60
+   sequences of 8-128 rows, 12 heads of 32) took 11.8 ms on one thread and 6.4 on two, from
+   12.9 and 7.8. Each output is one chain over d (scores) or over keys (p.v), in order.
+   Softmax in float32. D a multiple of 16; scratch: per thread
+   >= (D + 8) * (Lmax + 32) floats (encoder_attention_f32 sizes it; EA_ROWS <= 8, 2 VL <= 32). */
+#define EA_KEYS (2 * VL) /* keys per score tile, and the padding of the transposed keys */
+
+INL void ea_scores(const float *const *qr, const float *kt, int64_t Lp, int64_t D, int64_t j,
+                   const int NV, float *sc) {
+    vf a[EA_ROWS][2];
+    for (int t = 0; t < EA_ROWS; t++)
+        for (int c = 0; c < NV; c++) a[t][c] = vzero();
+    for (int64_t d = 0; d < D; d++) {
+        vf kv[2];
+        for (int c = 0; c < NV; c++) kv[c] = vload(kt + d * Lp + j + VL * c);
+#pragma GCC unroll 8
+        for (int t = 0; t < EA_ROWS; t++) {
+            const vf x = vset1(qr[t][d]);
+            for (int c = 0; c < NV; c++) a[t][c] = vfma(x, kv[c], a[t][c]);
+        }
+    }
+    for (int t = 0; t < EA_ROWS; t++)
+        for (int c = 0; c < NV; c++) vstore(sc + t * Lp + j + VL * c, a[t][c]);
+}
+
+INL void ea_pv(const float *sc, int64_t Lp, int64_t L, const float *v, int64_t stride,
+               const int NV, const float *inv, int r, float *o, int64_t out_stride) {
+    vf a[EA_ROWS][2];
+    for (int t = 0; t < EA_ROWS; t++)
+        for (int c = 0; c < NV; c++) a[t][c] = vzero();
+    for (int64_t j = 0; j < L; j++) {
+        vf vv[2];
+        for (int c = 0; c < NV; c++) vv[c] = vload(v + j * stride + VL * c);
+#pragma GCC unroll 8
+        for (int t = 0; t < EA_ROWS; t++) {
+            const vf p = vset1(sc[t * Lp + j]);
+            for (int c = 0; c < NV; c++) a[t][c] = vfma(p, vv[c], a[t][c]);
+        }
+    }
+    for (int t = 0; t < r; t++)
+        for (int c = 0; c < NV; c++)
+            vstore(o + t * out_stride + VL * c, vmul(a[t][c], vset1(inv[t])));
+}
+
+void ingot_encoder_attention_f32(const float *q, const float *k, const float *v, int64_t stride,
+                                 float *out, int64_t out_stride, const int64_t *starts, int64_t B,
+                                 int64_t H, int64_t D, float scale, float *scratch,
+                                 int64_t scratch_per_thread, int nthreads) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int64_t task = 0; task < B * H; task++) {
+        const int64_t b = task / H, h = task % H, s0 = starts[b], L = starts[b + 1] - s0;
+        if (L <= 0) continue;
+        const int64_t Lp = (L + EA_KEYS - 1) / EA_KEYS * EA_KEYS;
+        float *kt = scratch + (int64_t)omp_get_thread_num() * scratch_per_thread; /* [D][Lp] */
+        float *sc = kt + D * Lp;                                           /* [EA_ROWS][Lp] */
+        /* keys transposed VL at a time by gathers (a scalar transpose had cost as much as
+           the scores); keys past L are zero. */
+        const vi rows = vrows(stride);
+        const vf sv = vset1(scale);
+        for (int64_t j = 0; j < Lp; j += VL) {
+            const vm mk = j < L ? vtail(L - j) : vnone();
+            const float *kb = k + (s0 + j) * stride + h * D;
+            for (int64_t d = 0; d < D; d++) vstore(kt + d * Lp + j, vmul(sv, vgather(kb + d, rows, mk)));
+        }
+        for (int64_t i = 0; i < L; i += EA_ROWS) {
+            const int r = L - i < EA_ROWS ? (int)(L - i) : EA_ROWS;
+            const float *qr[EA_ROWS];
+            for (int t = 0; t < EA_ROWS; t++) /* rows past the end repeat the last (unused) */
+                qr[t] = q + (s0 + i + (t < r ? t : r - 1)) * stride + h * D;
+            for (int64_t j = 0; j < L; j += EA_KEYS) {
+                if (L - j > VL) ea_scores(qr, kt, Lp, D, j, 2, sc);
+                else ea_scores(qr, kt, Lp, D, j, 1, sc);
+            }
+            float inv[EA_ROWS];
+            for (int t = 0; t < r; t++) {
+                float *st = sc + t * Lp;
+                vf mx = vset1(-INFINITY);
+                for (int64_t j = 0; j < L; j += VL) mx = vmax_in(mx, vtail(L - j), vload(st + j));
+                const vf m = vset1(vhmax(mx));
+                vf z = vzero();
+                for (int64_t j = 0; j < L; j += VL) {
+                    const vf e = vkeep(vtail(L - j), exp_ps(vsub(vload(st + j), m)));
+                    vstore(st + j, e);
+                    z = vadd(z, e);
+                }
+                inv[t] = 1.0f / vhsum(z);
+            }
+            const float *vh = v + s0 * stride + h * D;
+            float *oh = out + (s0 + i) * out_stride + h * D;
+            for (int64_t d = 0; d < D; d += 2 * VL) {
+                if (D - d >= 2 * VL) ea_pv(sc, Lp, L, vh + d, stride, 2, inv, r, oh + d, out_stride);
+                else ea_pv(sc, Lp, L, vh + d, stride, 1, inv, r, oh + d, out_stride);
+            }
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Epilogues of a float32 linear computed without its bias (BERT encoders): one pass over the
+   rows instead of torch's bias copy (addmm), add and norm passes, each a full sweep of the
+   activations and its own OpenMP region. */
+
+/* erf as torch's Vectorized<float>::erf: Abramowitz-Stegun 7.1.26, |error| < 1.5e-7. */
+INL vf erf_ps(vf x) {
+    const vf one = vset1(1.0f);
+    const vf d = vfma(vset1(0.3275911f), vabs(x), one);
+    /* t = 1 / d: the reciprocal estimate and one Newton step (~23 bits; a division would cost
+       more than all the rest of the GELU). */
+    vf t = vrcp(d);
+    t = vmul(t, vfnma(d, t, vset1(2.0f)));
+    vf r = vfma(vset1(1.061405429f), t, vset1(-1.453152027f));
+    r = vfma(r, t, vset1(1.421413741f));
+    r = vfma(r, t, vset1(-0.284496736f));
+    r = vfma(r, t, vset1(0.254829592f));
+    /* Past x^2 = 80, 1 - e t r rounds to 1 in float32 anyway; clamping keeps e normal
+       (a denormal e costs a microcode assist per lane). */
+    const vf x2 = vmin(vmul(x, x), vset1(80.0f));
+    const vf e = exp_ps(vsub(vzero(), x2));
+    const vf y = vfnma(vmul(e, t), r, one); /* 1 - e t r, >= 0 */
+    return vor(y, vand(x, vset1(-0.0f)));   /* x's sign */
+}
+
+/* x[m, n] = gelu(x[m, n] + bias[n]) in place, GELU with erf as torch's: x/2 (1 + erf(x/sqrt2)). */
+void ingot_bias_gelu_f32(float *x, const float *bias, int64_t M, int64_t N, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (M * N >= 32768)
+    for (int64_t m = 0; m < M; m++) {
+        float *row = x + m * N;
+        for (int64_t n = 0; n < N; n += VL) {
+            const vf h = vadd(vload_part(row + n, N - n), vload_part(bias + n, N - n));
+            const vf g = vmul(vmul(h, vset1(0.5f)),
+                              vadd(vset1(1.0f), erf_ps(vmul(h, vset1(0.70710678118654752f)))));
+            vstore_part(row + n, g, N - n);
+        }
+    }
+}
+
+/* out[m] = LayerNorm(x[m] + bias + residual[m]) * w + b over rows of N floats (bias and
+   residual may be NULL; out may be x): two passes over the row for mean then variance (biased,
+   as torch), the row staying in L1 between them. */
+void ingot_add_layernorm_f32(const float *x, const float *bias, const float *residual,
+                             const float *w, const float *b, float *out, int64_t M, int64_t N,
+                             float eps, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (M * N >= 32768)
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * N;
+        const float *rr = residual ? residual + m * N : 0;
+        float *o = out + m * N;
+        vf s = vzero();
+        for (int64_t n = 0; n < N; n += VL) {
+            vf h = vload_part(xr + n, N - n);
+            if (bias) h = vadd(h, vload_part(bias + n, N - n));
+            if (rr) h = vadd(h, vload_part(rr + n, N - n));
+            vstore_part(o + n, h, N - n);
+            s = vadd(s, h);
+        }
+        const float mean = vhsum(s) / (float)N;
+        const vf mv = vset1(mean);
+        vf var = vzero();
+        for (int64_t n = 0; n < N; n += VL) {
+            const vf d = vkeep(vtail(N - n), vsub(vload_part(o + n, N - n), mv));
+            var = vfma(d, d, var);
+        }
+        const vf rstd = vset1(1.0f / sqrtf(vhsum(var) / (float)N + eps));
+        for (int64_t n = 0; n < N; n += VL) {
+            const vf d = vmul(vsub(vload_part(o + n, N - n), mv), rstd);
+            vstore_part(o + n, vfma(d, vload_part(w + n, N - n), vload_part(b + n, N - n)), N - n);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Pin the calling thread's OpenMP team of n threads: thread i to CPU cpus[i] (what
+   --cpu-threads-bind / VLLM_CPU_OMP_THREADS_BIND ask for). libgomp keeps one team per master
+   thread and reuses it, so later regions of up to n threads run where this put them. Returns
+   the number of threads that could not be bound. */
+int ingot_bind_threads(const int *cpus, int n) {
+    int failed = 0;
+#pragma omp parallel num_threads(n) reduction(+ : failed)
+    {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(cpus[omp_get_thread_num()], &set);
+        if (omp_get_num_threads() != n || sched_setaffinity(0, sizeof(set), &set) != 0) failed++;
+    }
+    return failed;
+}
