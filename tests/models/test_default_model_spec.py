@@ -1,6 +1,7 @@
-"""Speculative decoding on the default model in bf16 (its C kernels, the CPU decode path):
-n-gram speculation must not change one greedy token, at batch sizes served by ingot's GEMV
-(up to 3 requests) and by oneDNN (more)."""
+"""Speculative decoding on the default model in its default dtype (bf16 on CPUs with bf16
+math: its C kernels, the CPU decode path; fp32 elsewhere): n-gram speculation must not change
+one greedy token, at batch sizes served by ingot's GEMV (up to 3 requests) and by oneDNN
+(more)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ ASKS = ["Rename merge_sorted to merge and repeat the code exactly otherwise:",
         "Repeat this code, adding a docstring:", "Copy this code exactly:",
         "Rewrite this code with comments:", "Repeat the code below twice:",
         "Change i and j to left and right in this code:"]
-# 64 tokens: the copies accept 57-59 drafted tokens over the two single requests (94 at 96),
-# well above the bound below, and the batch still decodes far past each prompt.
+# 64 tokens: the copies accept 57-59 drafted tokens over the two single requests in bf16 (94 at
+# 96), 37 in fp32 (an AVX2 CPU: other greedy tokens), above the bound below, and the batch
+# still decodes far past each prompt.
 MAX_TOKENS = 64
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
         "prompt_lookup_max": 4, "adaptive": False}
@@ -47,5 +49,5 @@ def test_default_model_greedy_identical_with_ngram(reference):
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     assert [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts[:2]] == single
     stats = llm.llm_engine.get_stats()["spec_decode"]
-    assert stats.num_accepted_tokens > 40  # the comparison covered many accepted drafts
+    assert stats.num_accepted_tokens > 30  # the comparison covered many accepted drafts
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == batch

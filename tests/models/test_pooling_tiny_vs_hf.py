@@ -75,6 +75,46 @@ def test_bert_pooling_types_match_hf(tiny_bert, kind):
         llm.llm_engine.shutdown()
 
 
+@pytest.mark.parametrize("gemm", ["onednn", "mkl"])
+def test_bert_fp32_linears_through_either_gemm(tiny_bert, monkeypatch, gemm):
+    """``INGOT_CPU_F32_GEMM`` runs an encoder's fp32 linears on oneDNN's packed kernels (every
+    linear: qkv, attention output, intermediate and output per layer, the pooler) or MKL's;
+    both pass the HF gate, batched equal to alone. Broken twin: one packed weight made from
+    other values fails it (the packed copies are what runs)."""
+    from ingot.model_executor.layers import linear
+
+    path, hf = tiny_bert
+    monkeypatch.setenv("INGOT_CPU_F32_GEMM", gemm)
+    packed: list = []
+    real = linear.LinearBase.pack_f32_weight
+
+    def pack(layer, perturb=False):  # noqa: ANN001, ANN202
+        packed.append(layer)
+        if perturb and len(packed) == 3:
+            layer.weight.data.copy_(layer.weight.data.flip(0))  # outputs out of order
+        real(layer)
+
+    for broken in (False, True):
+        packed.clear()
+        monkeypatch.setattr(linear.LinearBase, "pack_f32_weight",
+                            lambda layer, broken=broken: pack(layer, broken))
+        llm = _llm(path, pooler_config={"pooling_type": "MEAN"})
+        try:
+            outs = llm.embed(PROMPTS)
+            cos = min(_cosines(outs, [_hf_pool(hf, p, "MEAN") for p in PROMPTS]))
+            alone = [llm.embed([p])[0].outputs.embedding for p in PROMPTS]
+        finally:
+            llm.llm_engine.shutdown()
+        layers = bert_config(vocab_size=512).num_hidden_layers
+        assert len(packed) == (4 * layers + 1 if gemm == "onednn" else 0)
+        if broken and gemm == "onednn":
+            assert cos < COS_MIN
+        else:
+            assert cos >= COS_MIN
+            assert torch.allclose(torch.tensor(alone), torch.tensor([o.outputs.embedding for o in outs]),
+                                  atol=1e-6)
+
+
 def test_bert_padding_buckets_change_nothing(tiny_bert, monkeypatch):
     """An encoder runs unbucketed by default; with bucketing on, a lone prompt pads to its
     token bucket (padded keys carry no slot and must not be attended to) and packed prompts

@@ -130,6 +130,21 @@ def test_gemm_is_preferred_without_amx(monkeypatch, env, amx, expected):
     assert cpu_kernels.gemm_preferred() is expected
 
 
+@pytest.mark.parametrize(("env", "vendor", "expected"),
+                         [("auto", "AuthenticAMD", True), ("auto", "GenuineIntel", False),
+                          ("mkl", "AuthenticAMD", False), ("onednn", "GenuineIntel", True)])
+def test_f32_gemm_choice_follows_the_vendor(monkeypatch, env, vendor, expected):
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: f"vendor_id\t: {vendor}\nflags : fpu avx2\n")
+    monkeypatch.setenv("INGOT_CPU_F32_GEMM", env)
+    assert cpu_kernels.onednn_f32_preferred() is expected
+
+
+def test_f32_gemm_choice_rejects_a_bad_value(monkeypatch):
+    monkeypatch.setenv("INGOT_CPU_F32_GEMM", "yes")
+    with pytest.raises(ValueError, match="INGOT_CPU_F32_GEMM must be auto, onednn or mkl"):
+        cpu_kernels.onednn_f32_preferred()
+
+
 def test_gemm_choice_rejects_a_bad_value(monkeypatch):
     monkeypatch.setenv("INGOT_CPU_GEMM", "yes")
     with pytest.raises(ValueError, match="INGOT_CPU_GEMM must be auto, 0 or 1"):

@@ -21,7 +21,6 @@
 #define EA_ROWS 8 /* attention tile rows: 8 x 2 accumulators of 32 zmm */
 typedef __m512 vf;
 typedef __mmask16 vm;
-typedef __m512i vi;
 INL vf vzero(void) { return _mm512_setzero_ps(); }
 INL vf vset1(float a) { return _mm512_set1_ps(a); }
 INL vf vload(const float *p) { return _mm512_loadu_ps(p); }
@@ -42,18 +41,20 @@ INL vf vldexp(vf p, vf n) { return _mm512_scalef_ps(p, n); } /* p 2^n, n integra
 INL float vhsum(vf a) { return _mm512_reduce_add_ps(a); }
 INL float vhmax(vf a) { return _mm512_reduce_max_ps(a); }
 INL vm vtail(int64_t left) { return (vm)(left >= 16 ? 0xffffu : (1u << left) - 1u); } /* first min(left, 16) lanes */
-INL vm vnone(void) { return 0; }
 INL vf vloadz(vm m, const float *p) { return _mm512_maskz_loadu_ps(m, p); }
 INL void vstorem(float *p, vm m, vf v) { _mm512_mask_storeu_ps(p, m, v); }
 INL vf vkeep(vm m, vf v) { return _mm512_maskz_mov_ps(m, v); }               /* lanes not in m: 0 */
 INL vf vmax_in(vf acc, vm m, vf v) { return _mm512_mask_max_ps(acc, m, acc, v); } /* max over m */
 /* rows i * stride of a column, i < VL; int32 lane offsets: stride < 2^31 / VL */
-INL vi vrows(int64_t stride) {
-    return _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                              _mm512_set1_epi32((int)stride));
-}
-INL vf vgather(const float *base, vi rows, vm m) {
-    return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, rows, base, 4);
+/* kt[d][0..VL) = scale * keys[0..n)[d] for d < D (rows n.. zero): VL keys, row stride
+   `stride`, transposed by gathers (a scalar transpose had cost as much as the scores); lane
+   offsets are int32: stride < 2^31 / 16. */
+INL void vkeys_t(const float *kb, int64_t stride, int64_t n, float *kt, int64_t Lp, int64_t D, vf scale) {
+    const __m512i rows = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32((int)stride));
+    const vm m = n > 0 ? vtail(n) : (vm)0;
+    for (int64_t d = 0; d < D; d++)
+        vstore(kt + d * Lp, vmul(scale, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, rows, kb + d, 4)));
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 /* ---- AVX2 + FMA: 8 lanes, masks as all-ones lanes ----------------------------------------- */
@@ -61,7 +62,6 @@ INL vf vgather(const float *base, vi rows, vm m) {
 #define EA_ROWS 6 /* 6 x 2 accumulators + 2 key vectors + a broadcast fit the 16 ymm registers */
 typedef __m256 vf;
 typedef __m256 vm;
-typedef __m256i vi;
 INL vf vzero(void) { return _mm256_setzero_ps(); }
 INL vf vset1(float a) { return _mm256_set1_ps(a); }
 INL vf vload(const float *p) { return _mm256_loadu_ps(p); }
@@ -100,16 +100,31 @@ INL vm vtail(int64_t left) {
     const int n = left >= 8 ? 8 : (int)left;
     return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
 }
-INL vm vnone(void) { return _mm256_setzero_ps(); }
 INL vf vloadz(vm m, const float *p) { return _mm256_maskload_ps(p, _mm256_castps_si256(m)); }
 INL void vstorem(float *p, vm m, vf v) { _mm256_maskstore_ps(p, _mm256_castps_si256(m), v); }
 INL vf vkeep(vm m, vf v) { return _mm256_and_ps(m, v); }
 INL vf vmax_in(vf acc, vm m, vf v) { return _mm256_blendv_ps(acc, _mm256_max_ps(acc, v), m); }
-INL vi vrows(int64_t stride) {
-    return _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)stride));
-}
-INL vf vgather(const float *base, vi rows, vm m) {
-    return _mm256_mask_i32gather_ps(_mm256_setzero_ps(), base, rows, m, 4);
+/* As the AVX-512 vkeys_t, by 8 x 8 register transposes: AVX2 gathers are slow (on Zen 3 they
+   took a quarter of the attention's time). */
+INL void vkeys_t(const float *kb, int64_t stride, int64_t n, float *kt, int64_t Lp, int64_t D, vf scale) {
+    for (int64_t d = 0; d < D; d += 8) {
+        __m256 r[8];
+        for (int i = 0; i < 8; i++) r[i] = i < n ? _mm256_loadu_ps(kb + i * stride + d) : _mm256_setzero_ps();
+        const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+        const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+        const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+        const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+        const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xee);
+        const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xee);
+        const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xee);
+        const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xee);
+        const __m256 c[8] = {
+            _mm256_permute2f128_ps(u0, u4, 0x20), _mm256_permute2f128_ps(u1, u5, 0x20),
+            _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
+            _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
+            _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31)};
+        for (int i = 0; i < 8; i++) vstore(kt + (d + i) * Lp, vmul(scale, c[i]));
+    }
 }
 #else
 #error "ingot's float32 kernels need AVX-512 or AVX2 + FMA"
@@ -209,15 +224,9 @@ void ingot_encoder_attention_f32(const float *q, const float *k, const float *v,
         const int64_t Lp = (L + EA_KEYS - 1) / EA_KEYS * EA_KEYS;
         float *kt = scratch + (int64_t)omp_get_thread_num() * scratch_per_thread; /* [D][Lp] */
         float *sc = kt + D * Lp;                                           /* [EA_ROWS][Lp] */
-        /* keys transposed VL at a time by gathers (a scalar transpose had cost as much as
-           the scores); keys past L are zero. */
-        const vi rows = vrows(stride);
-        const vf sv = vset1(scale);
-        for (int64_t j = 0; j < Lp; j += VL) {
-            const vm mk = j < L ? vtail(L - j) : vnone();
-            const float *kb = k + (s0 + j) * stride + h * D;
-            for (int64_t d = 0; d < D; d++) vstore(kt + d * Lp + j, vmul(sv, vgather(kb + d, rows, mk)));
-        }
+        const vf sv = vset1(scale); /* keys transposed VL at a time; keys past L are zero */
+        for (int64_t j = 0; j < Lp; j += VL)
+            vkeys_t(k + (s0 + j) * stride + h * D, stride, L - j, kt + j, Lp, D, sv);
         for (int64_t i = 0; i < L; i += EA_ROWS) {
             const int r = L - i < EA_ROWS ? (int)(L - i) : EA_ROWS;
             const float *qr[EA_ROWS];

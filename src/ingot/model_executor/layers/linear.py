@@ -102,6 +102,21 @@ class LinearBase(nn.Module):
         if not keep_plain and not getattr(self.weight, "shared", False):
             self.weight.data = weight.new_empty(0)
 
+    def pack_f32_weight(self) -> None:
+        """oneDNN's packed copy of a float32 weight, in the plain weight's place (forward and
+        ``matmul`` run it); see ``pack_f32_linears``."""
+        weight = self.weight.detach()
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)
+        if not getattr(self.weight, "shared", False):
+            self.weight.data = weight.new_empty(0)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T`` without the bias, for a caller that applies the bias in a fused
+        epilogue: oneDNN's packed kernel where the layer holds one, else ``torch.mm`` (MKL)."""
+        if self.packed_weight is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, None, "none", [], "")
+        return torch.mm(x, self.weight.t())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_kernels is not None and self.gemv_weight is not None:
             rows = x.numel() // self.input_size
@@ -190,6 +205,19 @@ def pack_linear_weights(model: nn.Module, keep_plain: bool = False) -> int:
             count += 1
         elif kernels is not None and hasattr(module, "attach_cpu_kernels"):
             module.attach_cpu_kernels(kernels)
+    return count
+
+
+def pack_f32_linears(model: nn.Module) -> int:
+    """Pack every float32 linear of ``model`` for oneDNN (``onednn_f32_preferred``); returns how
+    many. Only models that declare ``packs_f32_linears`` take it: it is measured on encoders'
+    shapes, and decoders' fp32 paths (greedy equality batched and alone, the decode program's
+    buffers) have not been checked with oneDNN's row-count-dependent kernels."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, LinearBase) and module.weight.dtype == torch.float32:
+            module.pack_f32_weight()
+            count += 1
     return count
 
 

@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 from ingot.config import ModelConfig
-from ingot.model_executor.layers.cpu_kernels import bind_cpu_kernels
+from ingot.model_executor.layers.cpu_kernels import bind_cpu_kernels, onednn_f32_preferred
 from ingot.model_executor.layers.linear import (
     cpu_packed_linear_supported,
+    pack_f32_linears,
     pack_linear_weights,
     resident_weight_bytes,
 )
@@ -64,6 +65,10 @@ def load_model(
         "INGOT_DISABLE_PACKED_LINEAR"
     ):
         pack_linear_weights(model, keep_plain=keep_plain_weights)
+    elif (device.type == "cpu" and model_config.dtype == torch.float32 and not keep_plain_weights
+          and getattr(model, "packs_f32_linears", False) and onednn_f32_preferred()
+          and not os.environ.get("INGOT_DISABLE_PACKED_LINEAR")):
+        pack_f32_linears(model)
     if device.type == "cpu":
         bind_cpu_kernels(model)  # layers with a path through ingot's C kernels choose it once
     nbytes = resident_weight_bytes(model)

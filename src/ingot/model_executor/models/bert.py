@@ -62,7 +62,7 @@ def _layer_norm(size: int, eps: float) -> nn.LayerNorm:
 
 
 class _FusedEpilogue(nn.Module):
-    """A BERT block whose linear can run without its bias (``torch.mm``) and hand the bias to
+    """A BERT block whose linear can run without its bias (``LinearBase.matmul``) and hand the bias to
     one of ingot's fp32 CPU kernels with what follows it (GELU, or the residual add and
     LayerNorm): torch's addmm would first copy the bias into the output, then the add, the norm
     and GELU would each sweep the activations again. Measured at one thread: those passes were
@@ -82,7 +82,9 @@ class _FusedEpilogue(nn.Module):
         return self.dense.weight
 
     def _kernel_applies(self) -> bool:
-        return self.dense.weight.numel() > 0  # the plain weight torch.mm reads (not packed)
+        # dense.matmul runs a plain or a float32 oneDNN-packed weight (not bf16 oneDNN's:
+        # oneDNN fuses the bias there, and the weight dtype check above leaves those out)
+        return self.dense.weight.numel() > 0 or self.dense.packed_weight is not None
 
 
 def _add_norm(kernels: F32Kernels, x: torch.Tensor, bias: torch.Tensor | None,
@@ -146,7 +148,7 @@ class BertOutput(_FusedEpilogue):
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         if self.cpu_kernels is not None:
-            return _add_norm(self.cpu_kernels, torch.mm(hidden, self.dense.weight.t()),
+            return _add_norm(self.cpu_kernels, self.dense.matmul(hidden),
                              self.dense.bias, residual, self.LayerNorm)
         return self.LayerNorm(self.dense(hidden) + residual)
 
@@ -176,7 +178,7 @@ class BertIntermediate(_FusedEpilogue):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.cpu_kernels is not None:
-            return bias_gelu_f32_(self.cpu_kernels, torch.mm(hidden, self.dense.weight.t()),
+            return bias_gelu_f32_(self.cpu_kernels, self.dense.matmul(hidden),
                                   self.dense.bias)
         return self.act(self.dense(hidden))
 
@@ -224,6 +226,7 @@ class BertModel(nn.Module):
     used by the classifier."""
 
     is_encoder_only = True
+    packs_f32_linears = True  # oneDNN's fp32 linears where they beat MKL (onednn_f32_preferred)
     pooling_task = "embed"  # a pooling model by architecture: runs with --runner pooling
     default_pooling_type = "CLS"  # vLLM's default; sentence-transformers configs override it
 
@@ -285,6 +288,7 @@ class BertForSequenceClassification(nn.Module):
     [CLS] hidden state and calls ``classify`` on it."""
 
     is_encoder_only = True
+    packs_f32_linears = True
     pooling_task = "classify"
     default_pooling_type = "CLS"
 
