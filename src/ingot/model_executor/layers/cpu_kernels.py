@@ -59,6 +59,7 @@ ATTN_MAX_HEAD_DIM, ATTN_MAX_GROUP = 256, 16
 
 _SOURCE_PATH = Path(__file__).with_suffix(".c")
 _F32_SOURCE_PATH = Path(__file__).with_name("cpu_kernels_f32.c")
+_HEADER_PATH = Path(__file__).with_name("cpu_kernels_vec.h")  # included by both sources
 _COMMON_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-lm"]
 _FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", *_COMMON_FLAGS]
 # The float32 library's builds, widest first: the /proc/cpuinfo flags each needs, its compiler
@@ -180,7 +181,9 @@ def _kernel_dir() -> Path:
 
 def _build(compiler: str, source_path: Path, flags: list[str]) -> Path:
     source = source_path.read_text()
-    digest = hashlib.sha256((source + " ".join(flags) + compiler).encode()).hexdigest()[:16]
+    flags = [*flags, f"-I{_HEADER_PATH.parent}"]
+    digest = hashlib.sha256((source + _HEADER_PATH.read_text() + " ".join(flags) + compiler).encode()
+                            ).hexdigest()[:16]
     target = _kernel_dir() / f"ingot_{source_path.stem}_{digest}.so"
     if target.exists():
         return target
