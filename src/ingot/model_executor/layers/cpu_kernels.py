@@ -33,6 +33,7 @@ return None and the torch ops / oneDNN run.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -125,7 +126,9 @@ def _bind(fn, argtypes, restype=None):  # noqa: ANN001, ANN202
     return fn
 
 
+@functools.lru_cache(maxsize=1)
 def _cpu_flags() -> str:
+    # Read once: the loaders consult it on every call (encoder attention calls one per layer).
     try:
         return Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -133,8 +136,8 @@ def _cpu_flags() -> str:
 
 
 def _cpu_has(*flags: str) -> bool:
-    info = _cpu_flags()
-    return all(f" {flag}" in info for flag in flags)
+    words = set(_cpu_flags().split())  # whole words: "fma" is not "fma4"
+    return all(flag in words for flag in flags)
 
 
 def _cpu_has_avx512_bf16() -> bool:

@@ -61,13 +61,12 @@ def load_model(
         for name, t in iter_checkpoint(model_config)
     )
     model.eval()
-    if cpu_packed_linear_supported(model_config.dtype, device) and not os.environ.get(
-        "INGOT_DISABLE_PACKED_LINEAR"
-    ):
+    packing = not os.environ.get("INGOT_DISABLE_PACKED_LINEAR")
+    if packing and cpu_packed_linear_supported(model_config.dtype, device):
         pack_linear_weights(model, keep_plain=keep_plain_weights)
-    elif (device.type == "cpu" and model_config.dtype == torch.float32 and not keep_plain_weights
-          and getattr(model, "packs_f32_linears", False) and onednn_f32_preferred()
-          and not os.environ.get("INGOT_DISABLE_PACKED_LINEAR")):
+    elif (packing and device.type == "cpu" and model_config.dtype == torch.float32
+          and not keep_plain_weights and getattr(model, "packs_f32_linears", False)
+          and onednn_f32_preferred()):
         pack_f32_linears(model)
     if device.type == "cpu":
         bind_cpu_kernels(model)  # layers with a path through ingot's C kernels choose it once
