@@ -37,10 +37,12 @@ run: install
 
 test: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 
 # `make compare`: ingot against vLLM's CPU backend (the peer, installed by
 # ../shared/bench/vllm_peer.sh) on the shared workloads; rewrites the comparison section of

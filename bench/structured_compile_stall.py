@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from ingot import LLM, SamplingParams
-from ingot.engine.sampling_params import StructuredOutputsParams
+from ingot.sampling_params import StructuredOutputsParams
 
 
 def slow_schema(tag: int, records: int = 14) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import statistics
 import time
 
 from ingot import LLM, SamplingParams
-from ingot.engine.sampling_params import StructuredOutputsParams
+from ingot.sampling_params import StructuredOutputsParams
 
 # A record with a long required string: the constrained request keeps running (and its mask
 # keeps being computed) for the whole measured window.

@@ -8,7 +8,7 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logpro
 # this package, and a Ctrl-C during a heavy import here would escape the CLI's handler.
 _LAZY = {
     "LLM": "ingot.entrypoints.llm",
-    "SamplingParams": "ingot.engine.sampling_params",
+    "SamplingParams": "ingot.sampling_params",
     "RequestOutput": "ingot.engine.outputs",
     "CompletionOutput": "ingot.engine.outputs",
     "Logprob": "ingot.engine.outputs",

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ingot.core.buckets import BucketGrid
+from ingot.buckets import BucketGrid
 from ingot.distributed.sequence_parallel import sequence_parallel_prefill
 from ingot.errors import ModelNotFoundError
 
@@ -226,6 +226,54 @@ class ParallelConfig:
     def global_rank(self, tp_rank: int) -> int:
         """The global rank of this replica's TP rank ``tp_rank`` (spec §0)."""
         return self.data_parallel_rank * self.tensor_parallel_size + tp_rank
+
+
+@dataclass
+class ProfilerConfig:
+    output_dir: str = "./ingot_profiles"
+    delay_iterations: int = 0
+    max_iterations: int = 0
+    record_shapes: bool = False
+    with_stack: bool = False
+    ranks: list[int] | None = None  # None: rank 0 only
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_dict(cls, value: Any) -> ProfilerConfig:
+        if value is None:
+            return cls()
+        if not isinstance(value, dict):
+            raise ValueError(f"additional_config.profiler must be an object, got {value!r}")
+        known = {"output_dir", "delay_iterations", "max_iterations", "record_shapes", "with_stack", "ranks"}
+        unknown = set(value) - known
+        if unknown:
+            raise ValueError(
+                f"unknown profiler option(s) {sorted(unknown)}; known: {sorted(known)}"
+            )
+        config = cls(**value)
+        for name in ("delay_iterations", "max_iterations"):
+            v = getattr(config, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"profiler.{name} must be an integer >= 0, got {v!r}")
+        if not isinstance(config.output_dir, str) or not config.output_dir:
+            raise ValueError(
+                f"profiler.output_dir must be a non-empty path string, got {config.output_dir!r}"
+            )
+        for name in ("record_shapes", "with_stack"):
+            if not isinstance(getattr(config, name), bool):
+                raise ValueError(
+                    f"profiler.{name} must be true or false, got {getattr(config, name)!r}"
+                )
+        ranks = config.ranks
+        if ranks is not None and (
+            not isinstance(ranks, list)
+            or any(not isinstance(r, int) or isinstance(r, bool) or r < 0 for r in ranks)
+        ):
+            raise ValueError(
+                f"profiler.ranks must be a list of rank numbers (integers >= 0) or null "
+                f"(rank 0 only), got {ranks!r}"
+            )
+        return config
 
 
 @dataclass
@@ -653,8 +701,6 @@ class EngineArgs:
                 f"unknown additional_config key(s): {', '.join(sorted(unknown))}; "
                 f"known: {', '.join(sorted(KNOWN_ADDITIONAL_CONFIG))}"
             )
-        from ingot.worker.profiler import ProfilerConfig
-
         ProfilerConfig.from_dict(additional_config.get("profiler"))  # validate now
         buckets = BucketGrid.from_config(
             additional_config, max_batched, self.max_num_seqs, max_model_len, self.block_size,

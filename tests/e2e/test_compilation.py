@@ -107,7 +107,7 @@ def test_warm_start_from_ingot_compile_compiles_nothing_and_matches_eager(
     assert _compile_stats(eager)["enabled"] is False
 
     # Compiled and eager logits agree on one prefill (100 tokens padded to 128, blocks 1-4).
-    from ingot.core.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
+    from ingot.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
 
     tokens = [random.Random(1).randrange(3, 259) for _ in range(100)]
     step = SchedulerOutput([ScheduledRequest("r", 100, 0, [1, 2, 3, 4], True)],

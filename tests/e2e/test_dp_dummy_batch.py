@@ -67,7 +67,7 @@ def test_dummy_batch_leaves_the_kv_cache_unchanged(llm):
     runner.execute_dummy_batch(4)
     assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches, strict=True))
     # Deliberately broken: a warmup dummy request writes its K/V (into the null block).
-    from ingot.compilation.model_compiler import warmup_scheduler_output, warmup_shapes
+    from ingot.worker.warmup import warmup_scheduler_output, warmup_shapes
 
     shape = next(s for s in warmup_shapes(runner.config) if s.kind == "decode")
     with torch.inference_mode():

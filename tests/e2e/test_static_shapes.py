@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from ingot import LLM, SamplingParams
-from ingot.core.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
 from ingot.model_executor.layers.linear import cpu_packed_linear_supported
+from ingot.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
 from ingot.worker.model_runner import slot_mapping
 
 

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 import ingot.worker.model_runner as model_runner
 from ingot import LLM, SamplingParams
-from ingot.engine.sampling_params import StructuredOutputsParams
+from ingot.sampling_params import StructuredOutputsParams
 
 PROMPT = [5, 6, 7, 8]
 SEEDS = range(12)
@@ -221,8 +221,8 @@ def test_constraint_starts_after_the_reasoning_end(tiny_llama_dir):
 
     from ingot.config import StructuredOutputsConfig
     from ingot.core.request import Request
-    from ingot.core.sched_output import ScheduledRequest
-    from ingot.structured_output.bitmask import unpack_bitmask
+    from ingot.model_executor.layers.grammar_bitmask import unpack_bitmask
+    from ingot.sched_output import ScheduledRequest
     from ingot.structured_output.manager import StructuredOutputManager, TokenVerdict
 
     tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
@@ -234,8 +234,8 @@ def test_constraint_starts_after_the_reasoning_end(tiny_llama_dir):
         params = SamplingParams(structured_outputs={"choice": ["yes", "no"], **extra})
         params.all_stop_token_ids = {2}
         request = Request(rid, PROMPT, params)
-        manager.add_request(request)
-        while not manager.ready(request):  # it compiles on the pool
+        manager.add_request(rid, request.sampling_params)
+        while not manager.ready(rid):  # it compiles on the pool
             manager.wait_for_compiles(1.0)
         return ScheduledRequest(rid, [5], 0, [1], sample=True)
 

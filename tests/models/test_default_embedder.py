@@ -12,9 +12,9 @@ import torch
 import transformers
 
 from ingot import LLM, SamplingParams
-from ingot.engine.pooling_params import PoolingParams
 from ingot.model_executor.loader.packaged_models import default_embedder_path
 from ingot.model_executor.models import bert as ingot_bert
+from ingot.pooling_params import PoolingParams
 
 pytestmark = pytest.mark.slow
 

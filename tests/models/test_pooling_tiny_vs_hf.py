@@ -14,8 +14,8 @@ import transformers
 from tiny import bert_config, make_tiny_cross_encoder, make_tiny_model, randomise
 
 from ingot import LLM
-from ingot.engine.pooling_params import PoolingParams
 from ingot.model_executor.models import bert as ingot_bert
+from ingot.pooling_params import PoolingParams
 
 COS_MIN = 0.99999
 PROMPTS = [

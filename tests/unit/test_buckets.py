@@ -1,6 +1,6 @@
 import pytest
 
-from ingot.core.buckets import (
+from ingot.buckets import (
     BucketGrid,
     default_num_batched_tokens_buckets,
     default_num_seqs_buckets,

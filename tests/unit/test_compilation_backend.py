@@ -7,12 +7,9 @@ import pytest
 import torch
 
 from ingot.compilation.cache import CompileCacheMissError
-from ingot.compilation.model_compiler import (
-    ModelCompiler,
-    warmup_scheduler_output,
-    warmup_shapes,
-)
 from ingot.config import EngineArgs
+from ingot.worker.model_compiler import ModelCompiler
+from ingot.worker.warmup import warmup_scheduler_output, warmup_shapes
 from ingot.worker.worker import Worker
 
 SMALL = dict(dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=256,

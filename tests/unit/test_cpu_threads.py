@@ -339,12 +339,13 @@ def test_max_threads_must_be_positive() -> None:
 def test_bind_pins_the_calling_threads_team() -> None:
     import os
 
+    from ingot.model_executor.layers.cpu_kernels import bind_openmp_team
     from ingot.platforms.cpu_threads import _bind_current_team
 
     before = os.sched_getaffinity(0)
     cpu = max(before)
     try:
-        assert _bind_current_team((cpu,))
+        assert _bind_current_team((cpu,), bind_openmp_team)
         assert os.sched_getaffinity(0) == {cpu}
     finally:
         os.sched_setaffinity(0, before)

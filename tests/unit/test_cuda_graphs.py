@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from ingot import LLM, SamplingParams
-from ingot.compilation.model_compiler import warmup_shapes
 from ingot.worker import cuda_graphs
+from ingot.worker.warmup import warmup_shapes
 
 
 class FakeGraph:
@@ -86,7 +86,7 @@ def test_replay_rejects_a_step_unlike_its_bucket(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), **ENGINE)
     runner = _runner(llm)
     graphs = runner.capture_decode_graphs(fake_capture)
-    from ingot.compilation.model_compiler import warmup_scheduler_output
+    from ingot.worker.warmup import warmup_scheduler_output
 
     shape = next(s for s in warmup_shapes(runner.config) if s.kind == "decode")
     ids, pos, meta, _ = runner.prepare_inputs(warmup_scheduler_output(shape))

@@ -9,9 +9,9 @@ import os
 import pytest
 from dp_child_stub import child
 
+from ingot.buckets import BucketCounter, BucketStats
 from ingot.core.spec_policy import SpecDecodingStats
 from ingot.engine.dp_client import LeastLoaded, merge_stats
-from ingot.metrics.stats import BucketCounter, BucketStats
 from ingot.worker.multiproc_executor import ChildProcesses, WorkerProcessError
 
 

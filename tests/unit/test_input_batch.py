@@ -4,9 +4,9 @@ first size, and sampling metadata kept exactly while the batch's requests stay t
 
 from __future__ import annotations
 
-from ingot.core.kv_cache_manager import NULL_BLOCK_ID
-from ingot.engine.sampling_params import SamplingParams
 from ingot.model_executor.layers.sampler import SamplingMetadata
+from ingot.sampling_params import SamplingParams
+from ingot.sched_output import NULL_BLOCK_ID
 from ingot.worker.input_batch import InputBatch
 
 

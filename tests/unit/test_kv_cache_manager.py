@@ -3,7 +3,8 @@ import random
 import pytest
 import torch
 
-from ingot.core.kv_cache_manager import NULL_BLOCK_ID, BlockPool, KVCacheManager, hash_block
+from ingot.core.kv_cache_manager import BlockPool, KVCacheManager, hash_block
+from ingot.sched_output import NULL_BLOCK_ID
 from ingot.worker.worker import allocate_kv_cache
 
 

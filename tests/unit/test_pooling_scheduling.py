@@ -6,18 +6,18 @@ from __future__ import annotations
 import pytest
 from test_scheduler import make_scheduler
 
+from ingot.buckets import BucketGrid
 from ingot.config import (
     DEFAULT_MAX_PREFILLS_PER_STEP,
     ENCODER_STEP_TOKENS,
     EngineArgs,
     SchedulerConfig,
 )
-from ingot.core.buckets import BucketGrid
 from ingot.core.kv_cache_manager import KVCacheManager
 from ingot.core.request import Request, RequestStatus
 from ingot.core.scheduler import Scheduler
-from ingot.engine.pooling_params import PoolingParams
-from ingot.worker.outputs import ModelRunnerOutput
+from ingot.pooling_params import PoolingParams
+from ingot.runner_output import ModelRunnerOutput
 
 
 def pooling_request(i: int, n: int) -> Request:

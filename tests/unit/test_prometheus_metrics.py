@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ingot.core.buckets import BucketGrid
+from ingot.buckets import BucketGrid, BucketStats
 from ingot.core.kv_cache_manager import BlockPool, PrefixCacheStats
 from ingot.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ingot.metrics.prometheus import (
@@ -19,7 +19,6 @@ from ingot.metrics.prometheus import (
     decode_label,
     prefill_label,
 )
-from ingot.metrics.stats import BucketStats
 
 
 def _stats(ctx: list[int] | None = None) -> BucketStats:

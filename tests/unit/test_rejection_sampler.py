@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ingot.engine.sampling_params import SamplingParams
 from ingot.model_executor.layers.rejection_sampler import RejectionSampler, SpecDecodeMetadata
 from ingot.model_executor.layers.sampler import SamplingMetadata
+from ingot.sampling_params import SamplingParams
 
 V = 16
 

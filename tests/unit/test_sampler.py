@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from ingot.engine.sampling_params import SamplingParams
 from ingot.model_executor.layers.sampler import (
     Sampler,
     SamplingMetadata,
@@ -17,6 +16,7 @@ from ingot.model_executor.layers.sampler import (
     compute_prompt_logprobs,
     make_padded_token_tensor,
 )
+from ingot.sampling_params import SamplingParams
 
 V = 50
 DEVICES = [

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ingot.engine.sampling_params import SamplingParams, SamplingType
+from ingot.sampling_params import SamplingParams, SamplingType
 
 
 @pytest.mark.parametrize(

@@ -6,13 +6,13 @@ import random
 
 import pytest
 
+from ingot.buckets import BucketGrid
 from ingot.config import SchedulerConfig
-from ingot.core.buckets import BucketGrid
 from ingot.core.kv_cache_manager import KVCacheManager
 from ingot.core.request import Request, RequestStatus
 from ingot.core.scheduler import Scheduler, SchedulerState
-from ingot.engine.sampling_params import SamplingParams
-from ingot.worker.outputs import ModelRunnerOutput
+from ingot.runner_output import ModelRunnerOutput
+from ingot.sampling_params import SamplingParams
 
 
 def make_scheduler(
@@ -142,7 +142,7 @@ def test_bucketing_off_keeps_actual_counts():
 
 
 def test_runner_token_ids_match_prompt_plus_outputs():
-    from ingot.engine.sampling_params import SamplingParams
+    from ingot.sampling_params import SamplingParams
     from ingot.worker.model_runner import CachedRequestState
 
     state = CachedRequestState(SamplingParams(), [1, 2, 3, 4, 5], [6, 7, 8])

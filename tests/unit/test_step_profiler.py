@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ingot.worker.profiler import ProfilerConfig, StepProfiler
+from ingot.config import ProfilerConfig
+from ingot.worker.profiler import StepProfiler
 
 
 def _forward(i: int) -> None:

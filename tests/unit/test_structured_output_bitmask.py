@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from ingot.core.sched_output import GrammarBitmask
-from ingot.structured_output.bitmask import (
+from ingot.model_executor.layers.grammar_bitmask import (
     apply_grammar_bitmask,
     bitmask_width,
     pack_bitmask,
     unpack_bitmask,
 )
+from ingot.sched_output import GrammarBitmask
 
 
 @pytest.mark.parametrize("vocab", [1, 31, 32, 33, 64, 259, 1000])

@@ -6,7 +6,7 @@ import pytest
 from pydantic import BaseModel
 
 from ingot.config import StructuredOutputsConfig
-from ingot.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from ingot.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def test_exactly_one_kind():

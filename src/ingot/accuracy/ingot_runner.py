@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ingot.engine.sampling_params import SamplingParams
+from ingot.sampling_params import SamplingParams
 
 _ids = itertools.count()
 

@@ -4,14 +4,62 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
+from ingot.accuracy.compare import CompareReport
 from ingot.accuracy.jsonio import write_json
+from ingot.accuracy.kv_analysis import LayerKV
+from ingot.accuracy.logit_validation import ValidationResult
 from ingot.accuracy.metrics import BC_GOOD
+from ingot.accuracy.reference import ReferenceRun
 
-if TYPE_CHECKING:
-    from ingot.accuracy.validate import ValidateReport
+Prompt = str | list[int]
+
+
+@dataclass
+class ValidateReport:
+    model: str
+    dtype: str
+    hf_overrides: dict[str, Any]
+    prompts: list[Prompt]
+    max_tokens: int
+    validation: ValidationResult
+    references: list[ReferenceRun] = field(repr=False)
+    kv: list[LayerKV] | None = None
+    compare: CompareReport | None = None
+    compare_prompt: int | None = None
+    report_dir: Path | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return self.validation.passed
+
+    @property
+    def first_diverging_module(self) -> str | None:
+        first = self.compare.first_failure if self.compare else None
+        return first.name if first else None
+
+    def to_dict(self) -> dict[str, Any]:
+        v = self.validation
+        return {
+            "passed": self.passed,
+            "model": self.model,
+            "dtype": self.dtype,
+            "hf_overrides": self.hf_overrides,
+            "max_tokens": self.max_tokens,
+            "prompts": [p if isinstance(p, str) else {"prompt_token_ids": p} for p in self.prompts],
+            "validation": v.to_dict(),
+            "first_diverging_module": self.first_diverging_module,
+            "compare_prompt": self.compare_prompt,
+            "tensor_compare": None
+            if self.compare is None
+            else {k: val for k, val in self.compare.to_dict().items() if k != "modules"},
+            "kv_analysis": None if self.kv is None else [layer.to_dict() for layer in self.kv],
+            "timings_s": self.timings,
+        }
 
 
 def _f(x: float | None, digits: int = 3) -> str:

@@ -21,7 +21,6 @@ import json
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,12 +34,12 @@ from ingot.accuracy.kv_analysis import LayerKV, compare_kv, ingot_request_kv
 from ingot.accuracy.logit_validation import (
     GenerateFn,
     PromptResult,
-    ValidationResult,
     validate_prompt,
 )
 from ingot.accuracy.logit_validation import aggregate as aggregate_results
 from ingot.accuracy.metrics import DEFAULT_TOLERANCE_MAP, FP32_TOLERANCE_MAP, mantissa_bits_of
 from ingot.accuracy.reference import HFReference, ReferenceRun
+from ingot.accuracy.report import Prompt, ValidateReport, write_report
 from ingot.config import EngineArgs
 
 logger = logging.getLogger("ingot")
@@ -70,7 +69,6 @@ DEFAULT_PROMPTS = (
 DEFAULT_MAX_TOKENS = 8
 MAX_L2_REL_FP32 = 1e-4
 
-Prompt = str | list[int]
 
 
 def load_prompts(path: str | Path) -> list[Prompt]:
@@ -103,50 +101,6 @@ def load_prompts(path: str | Path) -> list[Prompt]:
     if not prompts:
         raise ValueError(f"prompts file {str(path)!r} holds no prompt")
     return prompts
-
-
-@dataclass
-class ValidateReport:
-    model: str
-    dtype: str
-    hf_overrides: dict[str, Any]
-    prompts: list[Prompt]
-    max_tokens: int
-    validation: ValidationResult
-    references: list[ReferenceRun] = field(repr=False)
-    kv: list[LayerKV] | None = None
-    compare: CompareReport | None = None
-    compare_prompt: int | None = None
-    report_dir: Path | None = None
-    timings: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def passed(self) -> bool:
-        return self.validation.passed
-
-    @property
-    def first_diverging_module(self) -> str | None:
-        first = self.compare.first_failure if self.compare else None
-        return first.name if first else None
-
-    def to_dict(self) -> dict[str, Any]:
-        v = self.validation
-        return {
-            "passed": self.passed,
-            "model": self.model,
-            "dtype": self.dtype,
-            "hf_overrides": self.hf_overrides,
-            "max_tokens": self.max_tokens,
-            "prompts": [p if isinstance(p, str) else {"prompt_token_ids": p} for p in self.prompts],
-            "validation": v.to_dict(),
-            "first_diverging_module": self.first_diverging_module,
-            "compare_prompt": self.compare_prompt,
-            "tensor_compare": None
-            if self.compare is None
-            else {k: val for k, val in self.compare.to_dict().items() if k != "modules"},
-            "kv_analysis": None if self.kv is None else [layer.to_dict() for layer in self.kv],
-            "timings_s": self.timings,
-        }
 
 
 def _generate_fn(runner: IngotRunner, prompt_ids: list[int], reference: list[int]) -> GenerateFn:
@@ -287,8 +241,6 @@ def run_validation(
         timings["tensor_compare"] = time.perf_counter() - t0
 
     if out is not None:
-        from ingot.accuracy.report import write_report
-
         write_report(report, out)
         report.report_dir = out
     return report

@@ -19,12 +19,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-NULL_BLOCK_ID = 0
+from ingot.utils.math_utils import cdiv
+
 BlockHash = bytes
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:

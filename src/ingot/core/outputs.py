@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ingot.core.request import RequestStatus
-from ingot.worker.outputs import PromptLogprobsChunk, SampledLogprobs
+from ingot.runner_output import PromptLogprobsChunk, SampledLogprobs
 
 
 @dataclass

@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from ingot.engine.pooling_params import PoolingParams
-from ingot.engine.sampling_params import SamplingParams
+from ingot.pooling_params import PoolingParams
+from ingot.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -26,16 +26,16 @@ import enum
 import time
 from collections import deque
 
+from ingot.buckets import BucketGrid, BucketStats
 from ingot.config import SchedulerConfig, SpeculativeConfig
-from ingot.core.buckets import BucketGrid
-from ingot.core.kv_cache_manager import KVCacheManager, cdiv
+from ingot.core.kv_cache_manager import KVCacheManager
 from ingot.core.outputs import EngineCoreOutput
 from ingot.core.request import Request, RequestStatus
-from ingot.core.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
 from ingot.core.spec_policy import SpecDecodingStats, SpecPolicy
-from ingot.metrics.stats import BucketStats
+from ingot.runner_output import ModelRunnerOutput
+from ingot.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
 from ingot.structured_output.manager import StructuredOutputManager, TokenVerdict
-from ingot.worker.outputs import ModelRunnerOutput
+from ingot.utils.math_utils import cdiv
 
 
 class SchedulerState(enum.Enum):
@@ -178,7 +178,12 @@ class Scheduler:
 
     def _fsm_ready(self, request: Request) -> bool:
         """A request waiting for its grammar may run once the manager has it compiled."""
-        return self.structured_output is None or self.structured_output.ready(request)
+        if self.structured_output is not None and not self.structured_output.ready(
+                request.request_id):
+            return False
+        if request.status is RequestStatus.WAITING_FOR_FSM:
+            request.status = RequestStatus.WAITING
+        return True
 
     # ---- scheduling --------------------------------------------------------------------
     def _can_sample(self, request: Request) -> bool:

@@ -22,9 +22,9 @@ from typing import Any
 from ingot.config import EngineArgs
 from ingot.engine.llm_engine import LLMEngine, PromptType
 from ingot.engine.outputs import PoolingRequestOutput, RequestOutput
-from ingot.engine.pooling_params import PoolingParams
-from ingot.engine.sampling_params import SamplingParams
 from ingot.errors import IngotError
+from ingot.pooling_params import PoolingParams
+from ingot.sampling_params import SamplingParams
 
 logger = logging.getLogger("ingot")
 

@@ -22,13 +22,13 @@ from ingot.config import EngineConfig
 from ingot.core.kv_cache_manager import KVCacheManager
 from ingot.core.outputs import EngineCoreOutput
 from ingot.core.request import Request, RequestStatus
-from ingot.core.sched_output import SchedulerOutput
 from ingot.core.scheduler import Scheduler
 from ingot.core.spec_policy import SpecDecodingStats
-from ingot.engine.sampling_params import SamplingParams
+from ingot.runner_output import ModelRunnerOutput
+from ingot.sampling_params import SamplingParams
+from ingot.sched_output import SchedulerOutput
 from ingot.structured_output.manager import StructuredOutputManager
-from ingot.worker.executor import Executor, RpcMethod
-from ingot.worker.outputs import ModelRunnerOutput
+from ingot.worker.executor import Executor, RpcMethod, UniProcExecutor
 
 logger = logging.getLogger("ingot")
 
@@ -41,7 +41,7 @@ class EngineCore:
         """``tokenizer``: the HF tokenizer, which grammars compile against (None: no
         structured outputs)."""
         self.config = config
-        self.executor = Executor.get_class(config)(config)
+        self.executor = executor_class(config)(config)
         try:
             self.num_blocks = self.executor.initialize()
         except BaseException:
@@ -82,8 +82,9 @@ class EngineCore:
         """Queue a request. A constrained one waits (``WAITING_FOR_FSM``) while its grammar
         compiles on the manager's pool; one that fails to compile finishes with ``error`` set
         in a later step's output."""
-        if request.use_structured_output:
-            self.structured_output.add_request(request)
+        if request.use_structured_output and not self.structured_output.add_request(
+                request.request_id, request.sampling_params):
+            request.status = RequestStatus.WAITING_FOR_FSM
         self.scheduler.add_request(request)
 
     def submit_structured_output(self, params: SamplingParams) -> Future | None:
@@ -230,3 +231,18 @@ class EngineCore:
     def shutdown(self) -> None:
         self.structured_output.shutdown()
         self.executor.shutdown()
+
+
+def executor_class(config: EngineConfig) -> type[Executor]:
+    """The executor ``--distributed-executor-backend`` names (imported only when chosen: Ray
+    is an optional dependency)."""
+    backend = config.parallel_config.distributed_executor_backend
+    if backend == "mp":
+        from ingot.worker.multiproc_executor import MultiprocExecutor
+
+        return MultiprocExecutor
+    if backend == "ray":
+        from ingot.worker.ray_executor import RayExecutor
+
+        return RayExecutor
+    return UniProcExecutor

@@ -30,12 +30,12 @@ from typing import Any
 
 import zmq
 
+from ingot.buckets import BucketStats
 from ingot.config import EngineConfig
 from ingot.core.outputs import EngineCoreOutput
 from ingot.core.request import Request, RequestStatus
 from ingot.distributed.data_parallel import busy_loop_turn
-from ingot.engine.sampling_params import SamplingParams
-from ingot.metrics.stats import BucketStats
+from ingot.sampling_params import SamplingParams
 from ingot.worker.executor import RpcMethod
 from ingot.worker.multiproc_executor import (
     HEARTBEAT_TIMEOUT_S,  # noqa: F401 - tests read it here

@@ -30,15 +30,15 @@ from ingot.engine.outputs import (
     RequestOutput,
     SampleLogprobs,
 )
-from ingot.engine.pooling_params import PoolingParams
 from ingot.engine.prompt_embeds import (
     PROMPT_EMBEDS_PLACEHOLDER,
     check_prompt_embeds,
     content_hash,
 )
-from ingot.engine.sampling_params import SamplingParams
 from ingot.engine.tokenizer import encode_texts, load_tokenizer
 from ingot.errors import PromptTooLongError
+from ingot.pooling_params import PoolingParams
+from ingot.sampling_params import SamplingParams
 from ingot.worker.executor import RpcMethod
 
 logger = logging.getLogger("ingot")

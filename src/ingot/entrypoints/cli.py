@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from ingot.config import EngineArgs
-from ingot.engine.sampling_params import SamplingParams
 from ingot.errors import IngotError
+from ingot.sampling_params import SamplingParams
 from ingot.version import __version__
 
 logger = logging.getLogger("ingot")
@@ -145,7 +145,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 # bucket up to 2048), which made `ingot generate` spend most of a minute before its first
 # token. These commands set the existing knobs to what they will run instead; a flag the user
 # typed always wins. `serve` keeps the full grid and its warmup.
-ONE_SHOT_MIN_TOKENS = 128  # the smallest prefill bucket (core/buckets.py)
+ONE_SHOT_MIN_TOKENS = 128  # the smallest prefill bucket (buckets.py)
 ONE_SHOT_MAX_TOKENS = 2048  # the engine's default token budget: never raised above it
 CHAT_TOKEN_BUDGET = 256  # interactive turns: prefix caching leaves only the new turn to prefill
 # Room for a chat template's framing and special tokens around the messages.

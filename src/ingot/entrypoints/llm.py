@@ -18,9 +18,9 @@ from ingot.engine.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
-from ingot.engine.pooling_params import PoolingParams
-from ingot.engine.sampling_params import SamplingParams
 from ingot.engine.tokenizer import apply_chat_template
+from ingot.pooling_params import PoolingParams
+from ingot.sampling_params import SamplingParams
 
 
 class LLM:

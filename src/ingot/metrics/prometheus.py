@@ -13,9 +13,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from ingot.buckets import BucketCounter, BucketStats
 from ingot.engine.llm_engine import LLMEngine
 from ingot.engine.outputs import PoolingRequestOutput, RequestOutput
-from ingot.metrics.stats import BucketCounter, BucketStats
 
 PREFIX = "ingot:"
 METRICS_NAME_PREFIXES = ("ingot", "vllm")

@@ -318,16 +318,16 @@ def plan_threads(
 # ---- applying it -------------------------------------------------------------------------
 
 
-def _bind_current_team(cpus: tuple[int, ...]) -> bool:
+#: Binds the calling thread's OpenMP team, thread i -> cpus[i]: True when bound, None where
+#: it cannot run (the worker hands in the C kernels' binding; platforms sit below the kernels).
+TeamBinder = Callable[[tuple[int, ...]], "bool | None"]
+
+
+def _bind_current_team(cpus: tuple[int, ...], team_binder: TeamBinder | None) -> bool:
     """Bind the calling thread's OpenMP team (thread i -> cpus[i]); False if not possible."""
-    from ingot.model_executor.layers.cpu_kernels import load_f32_kernels
-
-    kernels = load_f32_kernels()
-    if kernels is not None:
-        import ctypes
-
-        arr = (ctypes.c_int * len(cpus))(*cpus)
-        return kernels.bind_threads(arr, len(cpus)) == 0
+    bound = team_binder(cpus) if team_binder is not None else None
+    if bound is not None:
+        return bound
     # Without the C kernels: keep the calling thread (the OpenMP master) and the team it
     # creates from now on on the listed CPUs, without one CPU per thread.
     try:
@@ -340,9 +340,11 @@ def _bind_current_team(cpus: tuple[int, ...]) -> bool:
 class CpuThreads:
     """The plan applied to this process, and the controller that may lower it while running."""
 
-    def __init__(self, plan: ThreadPlan, controller: AdaptiveThreads | None = None) -> None:
+    def __init__(self, plan: ThreadPlan, controller: AdaptiveThreads | None = None,
+                 team_binder: TeamBinder | None = None) -> None:
         self.plan = plan
         self.controller = controller
+        self.team_binder = team_binder
         self._thread: int | None = None
 
     @property
@@ -358,7 +360,8 @@ class CpuThreads:
         import torch
 
         torch.set_num_threads(self.current)
-        if self.plan.bind is not None and not _bind_current_team(self.plan.bind):
+        if self.plan.bind is not None and not _bind_current_team(self.plan.bind,
+                                                                 self.team_binder):
             logger.warning("could not bind compute threads to CPUs %s; running unbound",
                            ",".join(map(str, self.plan.bind)))
         self._thread = ident
@@ -387,10 +390,12 @@ def step_key(scheduler_output: Any) -> tuple[bool, int, int]:
     return False, padded, n
 
 
-def start_cpu_threads(config: Any, env: Mapping[str, str] | None = None) -> CpuThreads:
+def start_cpu_threads(config: Any, env: Mapping[str, str] | None = None,
+                      team_binder: TeamBinder | None = None) -> CpuThreads:
     """Plan from this process's CPU budget, its environment and ``config.cpu_threads`` (a
     config.CpuThreadsConfig), apply it to the calling thread and log it; the returned object
-    keeps it applied (and adaptive) on whichever thread steps."""
+    keeps it applied (and adaptive) on whichever thread steps, binding threads to CPUs with
+    ``team_binder`` where it can (else the process's affinity)."""
     c = config.cpu_threads
     plan = plan_threads(detect_cpu_budget(), os.environ if env is None else env, c.threads,
                         c.bind, c.adaptive)
@@ -411,7 +416,7 @@ def start_cpu_threads(config: Any, env: Mapping[str, str] | None = None) -> CpuT
 
         controller = AdaptiveThreads(plan.threads, cpus=plan.bind or plan.budget.affinity,
                                      set_threads=torch.set_num_threads)
-    threads = CpuThreads(plan, controller)
+    threads = CpuThreads(plan, controller, team_binder)
     threads.ensure_thread()
     return threads
 

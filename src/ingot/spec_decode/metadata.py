@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ingot.core.kv_cache_manager import NULL_BLOCK_ID
 from ingot.model_executor.layers.attention import AttentionMetadata
+from ingot.sched_output import NULL_BLOCK_ID
 
 
 def drafter_metadata(positions: torch.Tensor, query_lens: list[int], tables: list[list[int]],

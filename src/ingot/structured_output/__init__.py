@@ -1,2 +1,3 @@
-"""Structured outputs: constraints compiled with xgrammar (``manager.py``, used by the engine
-core) and the packed token bitmask the runner applies to the logits (``bitmask.py``)."""
+"""Structured outputs: constraints compiled with xgrammar, one matcher per request
+(``manager.py``, used by the engine core). The runner applies the packed token bitmask the
+manager fills with ``model_executor/layers/grammar_bitmask.py``."""

@@ -34,9 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ingot.config import StructuredOutputsConfig
-from ingot.core.request import Request, RequestStatus
-from ingot.core.sched_output import GrammarBitmask, ScheduledRequest
-from ingot.engine.sampling_params import StructuredOutputsParams
+from ingot.sampling_params import SamplingParams, StructuredOutputsParams
+from ingot.sched_output import GrammarBitmask, ScheduledRequest
 
 logger = logging.getLogger("ingot")
 
@@ -67,7 +66,7 @@ def compile_timeout_message(kind: str, timeout: float) -> str:
 class _Compiling:
     """A request waiting for its grammar: the (possibly shared) compile and its deadline."""
 
-    request: Request
+    params: SamplingParams
     future: concurrent.futures.Future
     deadline: float  # time.monotonic()
 
@@ -225,31 +224,30 @@ class StructuredOutputManager:
         return compiled
 
     # ---- requests ------------------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
-        """Start the request's compile; it is ``WAITING_FOR_FSM`` unless its grammar is ready
-        (cached) now. ``ValueError`` only when structured outputs cannot run at all."""
-        params = request.sampling_params.structured_outputs
-        assert params is not None
-        future = self.submit(params)
+    def add_request(self, request_id: str, params: SamplingParams) -> bool:
+        """Start the request's compile; True when its grammar is ready (cached) now, else the
+        request waits for it (the scheduler keeps it ``WAITING_FOR_FSM``). ``ValueError`` only
+        when structured outputs cannot run at all."""
+        assert params.structured_outputs is not None
+        future = self.submit(params.structured_outputs)
         if future.done() and _failure(future) is None:
-            self._start(request, future.result())
-            return
-        request.status = RequestStatus.WAITING_FOR_FSM
-        self._compiling[request.request_id] = _Compiling(
-            request, future, time.monotonic() + self.config.compile_timeout_s
+            self._start(request_id, params, future.result())
+            return True
+        self._compiling[request_id] = _Compiling(
+            params, future, time.monotonic() + self.config.compile_timeout_s
         )
+        return False
 
-    def ready(self, request: Request) -> bool:
-        """Whether ``request`` may be scheduled: once its compile is done it gets its matcher
-        and moves to ``WAITING``. A failed compile stays not ready until ``take_failed``."""
-        entry = self._compiling.get(request.request_id)
+    def ready(self, request_id: str) -> bool:
+        """Whether the request may be scheduled: once its compile is done it gets its matcher.
+        A failed compile stays not ready until ``take_failed``."""
+        entry = self._compiling.get(request_id)
         if entry is None:
             return True
         if not entry.future.done() or _failure(entry.future) is not None:
             return False
-        del self._compiling[request.request_id]
-        self._start(request, entry.future.result())
-        request.status = RequestStatus.WAITING
+        del self._compiling[request_id]
+        self._start(request_id, entry.params, entry.future.result())
         return True
 
     def take_failed(self) -> list[tuple[str, str]]:
@@ -263,7 +261,7 @@ class StructuredOutputManager:
             if entry.future.done():
                 error = _failure(entry.future)
             elif now >= entry.deadline:
-                params = entry.request.sampling_params.structured_outputs
+                params = entry.params.structured_outputs
                 error = compile_timeout_message(params.kind, self.config.compile_timeout_s)
             else:
                 continue
@@ -289,20 +287,20 @@ class StructuredOutputManager:
             return_when=concurrent.futures.FIRST_COMPLETED,
         )
 
-    def _start(self, request: Request, compiled: Any) -> None:
+    def _start(self, request_id: str, sampling_params: SamplingParams, compiled: Any) -> None:
         import xgrammar as xgr
 
-        params = request.sampling_params.structured_outputs
-        stops = sorted(request.sampling_params.all_stop_token_ids)
+        params = sampling_params.structured_outputs
+        stops = sorted(sampling_params.all_stop_token_ids)
         # The request's own stop tokens end the grammar (EOS unless ignore_eos); with none the
         # matcher terminates as soon as the grammar is complete, and the request stops there.
-        self._matchers[request.request_id] = xgr.GrammarMatcher(
+        self._matchers[request_id] = xgr.GrammarMatcher(
             compiled,
             override_stop_tokens=stops or None,
             terminate_without_stop_token=not stops,
         )
         if params.reasoning_end_token_ids:
-            self._reasoning[request.request_id] = (list(params.reasoning_end_token_ids), [])
+            self._reasoning[request_id] = (list(params.reasoning_end_token_ids), [])
 
     def remove_request(self, request_id: str) -> None:
         """Forget a finished or aborted request; a compile still running for it goes on (its

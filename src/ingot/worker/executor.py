@@ -21,8 +21,8 @@ from concurrent.futures import Future
 from typing import Any
 
 from ingot.config import EngineConfig
-from ingot.core.sched_output import SchedulerOutput
-from ingot.worker.outputs import ModelRunnerOutput
+from ingot.runner_output import ModelRunnerOutput
+from ingot.sched_output import SchedulerOutput
 
 RpcMethod = str | Callable[..., Any]
 
@@ -40,19 +40,6 @@ class Executor(ABC):
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-
-    @staticmethod
-    def get_class(config: EngineConfig) -> type[Executor]:
-        backend = config.parallel_config.distributed_executor_backend
-        if backend == "mp":
-            from ingot.worker.multiproc_executor import MultiprocExecutor
-
-            return MultiprocExecutor
-        if backend == "ray":
-            from ingot.worker.ray_executor import RayExecutor
-
-            return RayExecutor
-        return UniProcExecutor
 
     def initialize(self) -> int:
         """Load the model on every worker, agree on the KV block count (the minimum over

@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import torch
 
-from ingot.core.kv_cache_manager import NULL_BLOCK_ID
 from ingot.model_executor.layers.sampler import SamplingMetadata
+from ingot.sched_output import NULL_BLOCK_ID
 
 
 class InputBatch:

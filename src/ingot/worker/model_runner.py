@@ -3,7 +3,7 @@
 The runner keeps a state per request (sampling params, generator, prompt and sampled tokens) and
 a persistent input batch (worker/input_batch.py: each request's row of the block table, and the
 decode batch's sampling metadata) so each step ships only what changed (see
-``core/sched_output.py``): the input tokens of a step are the runner's own. Input preparation is
+``sched_output.py``): the input tokens of a step are the runner's own. Input preparation is
 vectorised: positions, slot mapping and block table are built with tensor ops, O(tokens) with no
 per-token Python.
 
@@ -26,13 +26,11 @@ import torch
 from torch import nn
 
 from ingot.config import EngineConfig
-from ingot.core.kv_cache_manager import NULL_BLOCK_ID, cdiv
-from ingot.core.sched_output import SchedulerOutput
 from ingot.distributed.data_parallel import get_dp_padding
 from ingot.distributed.parallel_state import get_dp_group, get_tp_group
-from ingot.engine.sampling_params import SamplingParams
 from ingot.model_executor.layers.attention import AttentionMetadata
 from ingot.model_executor.layers.attention_backend import TORCH_ATTENTION, AttentionBackend
+from ingot.model_executor.layers.grammar_bitmask import apply_grammar_bitmask
 from ingot.model_executor.layers.linear import kernel_rows
 from ingot.model_executor.layers.pooler import Pooler, PoolingSegment
 from ingot.model_executor.layers.rejection_sampler import RejectionSampler, SpecDecodeMetadata
@@ -43,17 +41,19 @@ from ingot.model_executor.layers.sampler import (
     SamplingMetadata,
     compute_prompt_logprobs,
 )
-from ingot.spec_decode.draft_model import DraftModelProposer
-from ingot.spec_decode.eagle3 import Eagle3Proposer, StepRows
-from ingot.spec_decode.ngram import NgramProposer
-from ingot.structured_output.bitmask import apply_grammar_bitmask
-from ingot.worker.cuda_graphs import CaptureFn, DecodeGraphs
-from ingot.worker.input_batch import InputBatch
-from ingot.worker.outputs import (
+from ingot.runner_output import (
     ModelRunnerOutput,
     PromptLogprobsChunk,
     SampledLogprobs,
 )
+from ingot.sampling_params import SamplingParams
+from ingot.sched_output import NULL_BLOCK_ID, SchedulerOutput
+from ingot.spec_decode.draft_model import DraftModelProposer
+from ingot.spec_decode.eagle3 import Eagle3Proposer, StepRows
+from ingot.spec_decode.ngram import NgramProposer
+from ingot.utils.math_utils import cdiv
+from ingot.worker.cuda_graphs import CaptureFn, DecodeGraphs
+from ingot.worker.input_batch import InputBatch
 
 logger = logging.getLogger("ingot")
 
@@ -161,7 +161,7 @@ class ModelRunner:
     def capture_decode_graphs(self, capture: CaptureFn | None = None) -> DecodeGraphs:
         """Capture every decode bucket of the grid (largest first, as the later, smaller graphs
         then fit in the memory pool the first ones grew); decode steps replay them from now on."""
-        from ingot.compilation.model_compiler import warmup_scheduler_output, warmup_shapes
+        from ingot.worker.warmup import warmup_scheduler_output, warmup_shapes
 
         graphs = DecodeGraphs(lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta),
                               capture)
@@ -182,8 +182,8 @@ class ModelRunner:
         just-in-time kernels for those shapes, and the first touch of the activations' memory,
         happen before the engine reports ready instead of in the first requests of each size.
         Returns the seconds it took."""
-        from ingot.compilation.model_compiler import warmup_scheduler_output, warmup_shapes
         from ingot.utils.progress import progress
+        from ingot.worker.warmup import warmup_scheduler_output, warmup_shapes
 
         start = time.perf_counter()
         seen: set[tuple[str, int]] = set()

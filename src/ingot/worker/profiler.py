@@ -11,63 +11,15 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
+
+from ingot.config import ProfilerConfig
 
 logger = logging.getLogger("ingot")
 
 _CYCLES = itertools.count(1)
-
-
-@dataclass
-class ProfilerConfig:
-    output_dir: str = "./ingot_profiles"
-    delay_iterations: int = 0
-    max_iterations: int = 0
-    record_shapes: bool = False
-    with_stack: bool = False
-    ranks: list[int] | None = None  # None: rank 0 only
-    extra: dict[str, Any] = field(default_factory=dict, repr=False)
-
-    @classmethod
-    def from_dict(cls, value: Any) -> ProfilerConfig:
-        if value is None:
-            return cls()
-        if not isinstance(value, dict):
-            raise ValueError(f"additional_config.profiler must be an object, got {value!r}")
-        known = {"output_dir", "delay_iterations", "max_iterations", "record_shapes", "with_stack", "ranks"}
-        unknown = set(value) - known
-        if unknown:
-            raise ValueError(
-                f"unknown profiler option(s) {sorted(unknown)}; known: {sorted(known)}"
-            )
-        config = cls(**value)
-        for name in ("delay_iterations", "max_iterations"):
-            v = getattr(config, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"profiler.{name} must be an integer >= 0, got {v!r}")
-        if not isinstance(config.output_dir, str) or not config.output_dir:
-            raise ValueError(
-                f"profiler.output_dir must be a non-empty path string, got {config.output_dir!r}"
-            )
-        for name in ("record_shapes", "with_stack"):
-            if not isinstance(getattr(config, name), bool):
-                raise ValueError(
-                    f"profiler.{name} must be true or false, got {getattr(config, name)!r}"
-                )
-        ranks = config.ranks
-        if ranks is not None and (
-            not isinstance(ranks, list)
-            or any(not isinstance(r, int) or isinstance(r, bool) or r < 0 for r in ranks)
-        ):
-            raise ValueError(
-                f"profiler.ranks must be a list of rank numbers (integers >= 0) or null "
-                f"(rank 0 only), got {ranks!r}"
-            )
-        return config
 
 
 class StepProfiler:

@@ -15,9 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ingot.config import EngineConfig
-from ingot.core.kv_cache_manager import cdiv
-from ingot.core.sched_output import SchedulerOutput
+from ingot.config import EngineConfig, ProfilerConfig
 from ingot.distributed.layouts import kv_heads_per_rank
 from ingot.distributed.parallel_state import tp_collectives
 from ingot.model_executor.layers.attention_backend import (
@@ -27,11 +25,15 @@ from ingot.model_executor.layers.attention_backend import (
     bind_attention_backend,
     select_attention_backend,
 )
+from ingot.model_executor.layers.cpu_kernels import bind_openmp_team
 from ingot.model_executor.layers.linear import resident_weight_bytes, runs_onednn_linears
 from ingot.model_executor.loader.model_loader import load_model
 from ingot.model_executor.models.llama import head_dim_of
 from ingot.platforms import resolve_platform
 from ingot.platforms.cpu_threads import start_cpu_threads
+from ingot.runner_output import ModelRunnerOutput
+from ingot.sched_output import SchedulerOutput
+from ingot.utils.math_utils import cdiv
 from ingot.worker.kv_budget import (
     cap_fraction_from_env,
     compute_kv_budget,
@@ -39,8 +41,7 @@ from ingot.worker.kv_budget import (
     num_blocks_for_budget,
 )
 from ingot.worker.model_runner import ModelRunner
-from ingot.worker.outputs import ModelRunnerOutput
-from ingot.worker.profiler import ProfilerConfig, StepProfiler
+from ingot.worker.profiler import StepProfiler
 
 logger = logging.getLogger("ingot")
 
@@ -259,7 +260,8 @@ class Worker:
                              sequence_parallel=parallel.sequence_parallel_prefill,
                              node_rank=parallel.node_rank)
         # CPU compute threads: count, binding, adaptivity (platforms/cpu_threads.py).
-        self.cpu_threads = (start_cpu_threads(rank_thread_config(config, self.global_rank))
+        self.cpu_threads = (start_cpu_threads(rank_thread_config(config, self.global_rank),
+                                              team_binder=bind_openmp_team)
                             if self.device.type == "cpu" else None)
         torch.manual_seed(config.model_config.seed)
         start = time.perf_counter()
@@ -335,7 +337,7 @@ class Worker:
                                         self.attn_backend)
         # Compile every bucket before the engine reports ready (nothing compiles while serving).
         if config.compilation.enabled:
-            from ingot.compilation.model_compiler import ModelCompiler
+            from ingot.worker.model_compiler import ModelCompiler
 
             self.compiler = ModelCompiler(config, self.model_runner)
             self.compile_seconds = self.compiler.compile_and_warmup().seconds

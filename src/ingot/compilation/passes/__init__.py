@@ -28,9 +28,10 @@ from ingot.compilation.passes.aliasing import (
     get_alias_info,
     wrap_with_copy_back,
 )
-from ingot.compilation.passes.base import FXPass, FXPassManager, default_passes
 from ingot.compilation.passes.device_rewrite import DeviceRewriter
+from ingot.compilation.passes.fx_pass import FXPass
 from ingot.compilation.passes.inplace_to_outofplace import InPlaceToOutOfPlace
+from ingot.compilation.passes.manager import FXPassManager, default_passes
 
 __all__ = [
     "AliasInfo",

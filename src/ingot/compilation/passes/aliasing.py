@@ -34,7 +34,7 @@ from ingot.compilation.passes.alias_analysis import (
     resolve_root,
     view_kind,
 )
-from ingot.compilation.passes.base import FXPass
+from ingot.compilation.passes.fx_pass import FXPass
 
 ALIAS_INFO_KEY = "ingot_alias_info"
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
-from ingot.compilation.passes.base import FXPass
+from ingot.compilation.passes.fx_pass import FXPass
 
 
 def _retarget(value: Any, target: torch.device) -> Any:

@@ -44,7 +44,7 @@ from ingot.compilation.passes.alias_analysis import (
     view_kind,
 )
 from ingot.compilation.passes.aliasing import ALIAS_INFO_KEY
-from ingot.compilation.passes.base import FXPass
+from ingot.compilation.passes.fx_pass import FXPass
 from ingot.compilation.passes.graph_builder import MISSING, GraphBuilder, fake_args
 from ingot.compilation.passes.setitem_lowering import lower_setitem, source_for
 

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ingot.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from ingot.sampling_params import SamplingParams, StructuredOutputsParams
 
 # torch seeds generators with a 64-bit value (anything outside fails inside a step); int64
 # leaves room for the engine adding the choice index to the seed when n > 1.

@@ -14,7 +14,6 @@ from typing import Any
 from ingot.engine.async_engine import AsyncLLM
 from ingot.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from ingot.engine.prompt_embeds import PROMPT_EMBEDS_PLACEHOLDER, decode_prompt_embeds
-from ingot.engine.sampling_params import SamplingParams
 from ingot.engine.tokenizer import apply_chat_template
 from ingot.entrypoints.openai.access_log import record_usage
 from ingot.entrypoints.openai.chat_output import ChatOutputParser, finish_reason
@@ -31,6 +30,7 @@ from ingot.entrypoints.openai.reasoning_parsers import ReasoningParser
 from ingot.entrypoints.openai.tool_parsers.base import ToolParser
 from ingot.entrypoints.openai.tools import ToolRequest, parse_tool_request
 from ingot.errors import PromptTooLongError
+from ingot.sampling_params import SamplingParams
 from ingot.structured_output.manager import compile_timeout_message
 
 request_logger = logging.getLogger("ingot.requests")

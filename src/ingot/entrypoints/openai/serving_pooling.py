@@ -13,7 +13,6 @@ from typing import Any
 from ingot.engine import scoring
 from ingot.engine.async_engine import AsyncLLM
 from ingot.engine.outputs import PoolingRequestOutput
-from ingot.engine.pooling_params import PoolingParams
 from ingot.entrypoints.openai.access_log import record_usage
 from ingot.entrypoints.openai.protocol import (
     ClassificationRequest,
@@ -27,6 +26,7 @@ from ingot.entrypoints.openai.protocol import (
     random_id,
 )
 from ingot.entrypoints.openai.serving import merge
+from ingot.pooling_params import PoolingParams
 
 
 def encode_vector(vec: list[float], encoding_format: str) -> list[float] | str:

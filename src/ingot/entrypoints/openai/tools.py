@@ -12,10 +12,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ingot.engine.sampling_params import StructuredOutputsParams
 from ingot.entrypoints.openai.protocol import RequestValueError
 from ingot.entrypoints.openai.tool_parsers.base import ToolParser
 from ingot.entrypoints.openai.tool_parsers.forced import NamedToolParser, RequiredToolParser
+from ingot.sampling_params import StructuredOutputsParams
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's rule for function names
 

@@ -604,3 +604,13 @@ def bind_cpu_kernels(model: torch.nn.Module) -> int:
         kernels = load() if layers else None
         taken += sum(bool(getattr(layer, method)(kernels)) for layer in layers)
     return taken
+
+
+def bind_openmp_team(cpus: tuple[int, ...]) -> bool | None:
+    """Bind the calling thread's OpenMP team, thread i -> cpus[i], with the float32 library's
+    per-thread binding; None where that library cannot build (the caller falls back)."""
+    kernels = load_f32_kernels()
+    if kernels is None:
+        return None
+    arr = (ctypes.c_int * len(cpus))(*cpus)
+    return kernels.bind_threads(arr, len(cpus)) == 0

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ingot.engine.sampling_params import SamplingParams
 from ingot.model_executor.layers.cpu_kernels import argmax_bf16, load_cpu_kernels
+from ingot.sampling_params import SamplingParams
 
 _SAMPLING_EPS = 1e-5
 

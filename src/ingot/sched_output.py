@@ -22,8 +22,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ingot.engine.pooling_params import PoolingParams
-from ingot.engine.sampling_params import SamplingParams
+from ingot.pooling_params import PoolingParams
+from ingot.sampling_params import SamplingParams
+
+# Block 0 is the null block: the KV cache manager never hands it out, and the runner pads
+# block-table columns with it, so a padded read lands on valid memory.
+NULL_BLOCK_ID = 0
 
 
 @dataclass

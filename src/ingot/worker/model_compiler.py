@@ -43,6 +43,7 @@ import torch
 from ingot.compilation.backend import IngotBackend
 from ingot.compilation.cache import CompileCache
 from ingot.compilation.cache_key import compute_cache_key
+from ingot.worker.warmup import WarmupShape, warmup_scheduler_output, warmup_shapes
 
 if TYPE_CHECKING:
     from ingot.config import EngineConfig
@@ -63,29 +64,6 @@ def precompile_supported() -> bool:
             and hasattr(torch.compile(_run_layer, backend="eager"), "aot_compile"))
 
 
-@dataclass(frozen=True)
-class WarmupShape:
-    """One distinct compiled shape: a prefill of ``num_tokens`` or a decode batch of
-    ``num_reqs``, reading ``width`` blocks per request."""
-
-    kind: str  # "prefill" | "decode"
-    num_tokens: int
-    num_reqs: int
-    width: int
-    start_position: int = 0  # of each request's (first) token
-    num_real: int = 1  # real (unpadded) tokens of a prefill
-
-    @property
-    def label(self) -> str:
-        if self.kind == "prefill":
-            return f"prefill_t{self.num_tokens}_w{self.width}"
-        return f"decode_b{self.num_reqs}_w{self.width}"
-
-    @property
-    def signature(self) -> tuple[int, int, int]:
-        return (self.num_tokens, self.num_reqs, self.width)
-
-
 @dataclass
 class WarmupSummary:
     graphs: int
@@ -102,74 +80,17 @@ class WarmupSummary:
                 f"(key {self.key[:12]}), {self.seconds:.1f} s")
 
 
-def warmup_shapes(config: EngineConfig) -> list[WarmupShape]:
-    """Every distinct shape ``ModelRunner.prepare_inputs`` can produce, in a stable order."""
-    from ingot.core.kv_cache_manager import cdiv
-
-    grid = config.buckets
-    bs = config.cache_config.block_size
-    ctx = [*(grid.decode_context_length_buckets or ()), grid.max_model_len]
-    # A prefill continues at start > 0 only after a prefix-cache hit or a chunked prefill; its
-    # block table then spans a context bucket instead of the chunk itself.
-    continuations = (config.cache_config.enable_prefix_caching
-                     or config.scheduler_config.enable_chunked_prefill)
-    shapes: list[WarmupShape] = []
-    seen: set[tuple[int, int, int]] = set()
-
-    def add(shape: WarmupShape) -> None:
-        if shape.signature not in seen:
-            seen.add(shape.signature)
-            shapes.append(shape)
-
-    prev = 0
-    for p in grid.num_batched_tokens_buckets:
-        add(WarmupShape("prefill", p, 1, cdiv(p, bs), num_real=p))
-        if continuations:
-            for c in ctx:
-                # A chunk padded to p has more than `prev` tokens and starts at >= 1, so it
-                # reaches context bucket c only if prev + 2 <= c.
-                if prev + 2 <= c:
-                    n = min(p, c - 1)
-                    add(WarmupShape("prefill", p, 1, cdiv(c, bs), start_position=c - n,
-                                    num_real=n))
-        prev = p
-    for b in grid.num_seqs_buckets:
-        for c in ctx:
-            add(WarmupShape("decode", b, b, cdiv(c, bs), start_position=c - 1))
-    return shapes
-
-
-def warmup_scheduler_output(shape: WarmupShape) -> Any:
-    """A SchedulerOutput of dummy requests (prompts of token 0) with this shape, all blocks
-    the null block. Each step first finishes the previous shape's dummies of the same ids; the
-    last ones' runner state goes with ``ModelRunner.forget_dummy_steps``."""
-    from ingot.core.kv_cache_manager import NULL_BLOCK_ID
-    from ingot.core.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
-    from ingot.engine.sampling_params import SamplingParams
-
-    blocks = [NULL_BLOCK_ID] * shape.width
-    if shape.kind == "prefill":
-        ids, num_real, prefill = ["warmup-0"], shape.num_real, True
-    else:
-        ids, num_real, prefill = [f"warmup-{i}" for i in range(shape.num_reqs)], 1, False
-    prompt = [0] * (shape.start_position + num_real)
-    new = [NewRequestData(i, prompt, SamplingParams()) for i in ids]
-    items = [ScheduledRequest(i, num_real, shape.start_position, blocks, False) for i in ids]
-    return SchedulerOutput(items, new, is_prefill=prefill, num_padded=shape.num_tokens,
-                           ctx_bucket=None if prefill else shape.start_position + 1,
-                           finished_req_ids=set(ids))
-
-
 def _source_digest() -> str:
     """Digest of the code that defines the compiled graphs (model layers, passes, backend)."""
     import ingot
 
     root = Path(ingot.__file__).parent
     h = hashlib.sha256()
-    for sub in ("model_executor/layers", "model_executor/models", "compilation"):
-        for path in sorted((root / sub).rglob("*.py")):
-            h.update(path.relative_to(root).as_posix().encode())
-            h.update(path.read_bytes())
+    paths = [p for sub in ("model_executor/layers", "model_executor/models", "compilation")
+             for p in sorted((root / sub).rglob("*.py"))]
+    for path in [*paths, Path(__file__)]:  # this file holds the compiled layer call
+        h.update(path.relative_to(root).as_posix().encode())
+        h.update(path.read_bytes())
     return h.hexdigest()
 
 

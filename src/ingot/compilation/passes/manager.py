@@ -1,4 +1,4 @@
-"""The FX pass interface and the manager that runs passes in order (spec section 10).
+"""The manager that runs FX passes in order, and the default passes (spec section 10).
 
 Passes operate on the Dynamo-level graph a ``torch.compile(backend=fn)`` backend receives, before
 it is lowered (to Inductor, or stored by the compile cache). Each pass is timed and logged at
@@ -9,28 +9,18 @@ from __future__ import annotations
 
 import logging
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch.fx import GraphModule
 
+from ingot.compilation.passes.aliasing import AliasingOutputRewrite, CopyBackInGraph
+from ingot.compilation.passes.device_rewrite import DeviceRewriter
+from ingot.compilation.passes.fx_pass import FXPass
+from ingot.compilation.passes.inplace_to_outofplace import InPlaceToOutOfPlace
+
 logger = logging.getLogger("ingot")
-
-
-class FXPass(ABC):
-    """One graph rewrite. ``run`` may edit ``gm`` in place; it returns the module to use next."""
-
-    #: Short identifier used in logs.
-    name: str = "fx_pass"
-
-    @abstractmethod
-    def run(self, gm: GraphModule, **kwargs: Any) -> GraphModule:
-        """Rewrite ``gm``; ``kwargs`` are the manager's pass options (e.g. ``target_device``)."""
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
 
 
 def default_passes(target_device: str | torch.device = "cpu") -> list[FXPass]:
@@ -39,17 +29,10 @@ def default_passes(target_device: str | torch.device = "cpu") -> list[FXPass]:
     Aliasing must come before the in-place rewrite: it makes mutated inputs graph outputs by
     looking for the in-place ops that the rewrite then removes.
     """
-    from ingot.compilation.passes.aliasing import AliasingOutputRewrite
-    from ingot.compilation.passes.device_rewrite import DeviceRewriter
-    from ingot.compilation.passes.inplace_to_outofplace import InPlaceToOutOfPlace
-
     return [DeviceRewriter(target_device), AliasingOutputRewrite(), InPlaceToOutOfPlace()]
 
 
 def _check_order(passes: Sequence[FXPass]) -> None:
-    from ingot.compilation.passes.aliasing import AliasingOutputRewrite, CopyBackInGraph
-    from ingot.compilation.passes.inplace_to_outofplace import InPlaceToOutOfPlace
-
     def first(kind: type) -> int | None:
         return next((i for i, p in enumerate(passes) if isinstance(p, kind)), None)
 

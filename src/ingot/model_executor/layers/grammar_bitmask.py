@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ingot.core.sched_output import GrammarBitmask
+from ingot.sched_output import GrammarBitmask
 
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 
