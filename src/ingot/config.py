@@ -12,6 +12,7 @@ import importlib.util
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -529,70 +530,171 @@ def _auto_dtype(hf_config: Any, fmt: str, platform: Any, prefill_only: bool = Fa
     return preferred
 
 
+# ---- command-line flags ------------------------------------------------------------------
+# Every EngineArgs field declares its `ingot` flag in its metadata, next to its type and
+# default, so a new knob is declared once; engine/arg_utils.py derives the argparse arguments
+# (as vLLM's EngineArgs.add_cli_args does). Field order is the flags' order in --help.
+CLI_METADATA_KEY = "cli"
+ENGINE_GROUP = "engine"
+PARALLEL_GROUP = "parallelism (docs/parallelism.md)"
+POOLING_GROUP = "pooling (docs/configuration.md)"
+CPU_THREADS_GROUP = "CPU threads (docs/configuration.md)"
+COMPILATION_GROUP = "compilation"
+
+
+@dataclass(frozen=True)
+class CliFlag:
+    """How one EngineArgs field appears on the command line. Unset facts are derived: the flag
+    ``--field-name``; the value type from the annotation (int, float, else the string as typed:
+    JSON fields stay strings that ``create_engine_config`` parses with its own error message);
+    a bool defaulting to False is ``store_true``, any other bool ``--x/--no-x``."""
+
+    help: str | None = None
+    group: str = ENGINE_GROUP
+    flag: str | None = None  # the long flag, when it is not --field-name
+    aliases: tuple[str, ...] = ()  # vLLM's short forms (-tp), listed before the long flag
+    choices: tuple[str, ...] | None = None
+    type: Callable[[str], Any] | None = None  # parse hook, for values int/float/str do not cover
+    action: Any = None  # an argparse action, when the bool rule above is not the one wanted
+
+
+def cli(help: str | None = None, **facts: Any) -> dict[str, Any]:
+    """``field(metadata=cli(...))``: the field's flag (see ``CliFlag``)."""
+    return {CLI_METADATA_KEY: CliFlag(help, **facts)}
+
+
+# ``field(metadata=NOT_A_FLAG)``: a field deliberately left off the command line.
+NOT_A_FLAG: dict[str, Any] = {CLI_METADATA_KEY: None}
+
+
 @dataclass
 class EngineArgs:
-    model: str | None = None
-    tokenizer: str | None = None
-    skip_tokenizer_init: bool = False
-    dtype: str = "auto"
-    seed: int = 0
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    enable_chunked_prefill: bool = True
-    block_size: int = 32
-    num_gpu_blocks_override: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    kv_cache_dtype: str = "auto"
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    device: str = "auto"
-    hf_overrides: dict[str, Any] | str | None = None
-    additional_config: dict[str, Any] | str | None = None
-    served_model_name: str | None = None
-    # vLLM's flag: never compile, run every step eagerly.
-    enforce_eager: bool = False
-    # None = the platform default (on for CUDA; off for CPU, where the cold compile costs
-    # tens of seconds at start-up; see bench/compile_vs_eager.py); True/False force it.
-    compile: bool | None = None
-    enable_fx_passes: bool = True
-    cache_dir: str | None = None  # compile cache root (default $INGOT_CACHE_ROOT, ~/.cache/ingot)
+    model: str | None = field(default=None, metadata=cli(
+        "HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct GGUF)"))
+    tokenizer: str | None = field(default=None, metadata=cli(
+        "tokenizer path (default: the model's)"))
+    # Python only (LLM(skip_tokenizer_init=True)): token-id prompts, no detokenization.
+    skip_tokenizer_init: bool = field(default=False, metadata=NOT_A_FLAG)
+    dtype: str = field(default="auto", metadata=cli(
+        "auto | float32 | bfloat16 | float16 (default: %(default)s)"))
+    device: str = field(default="auto", metadata=cli(
+        "auto | cpu | cuda | a plugin platform name"))
+    seed: int = field(default=0, metadata=cli())
+    max_model_len: int | None = field(default=None, metadata=cli(
+        "context length (default: the model's max_position_embeddings)"))
+    max_num_seqs: int = field(default=256, metadata=cli())
+    max_num_batched_tokens: int | None = field(default=None, metadata=cli(
+        "token budget per step (default 2048 with chunked prefill)"))
+    enable_chunked_prefill: bool = field(default=True, metadata=cli())
+    block_size: int = field(default=32, metadata=cli())
+    num_gpu_blocks_override: int | None = field(default=None, metadata=cli(
+        "exact number of KV cache blocks (overrides the memory budget)"))
+    kv_cache_memory_bytes: int | None = field(default=None, metadata=cli(
+        "KV cache memory budget in bytes"))
+    kv_cache_dtype: str = field(default="auto", metadata=cli())
+    gpu_memory_utilization: float = field(default=0.9, metadata=cli(
+        "fraction of device memory (host memory on CPU) ingot may use; the KV cache gets what "
+        "the weights leave, capped (default: %(default)s)"))
+    enable_prefix_caching: bool = field(default=True, metadata=cli(
+        "reuse the KV of shared prompt prefixes (default: on)"))
+    hf_overrides: dict[str, Any] | str | None = field(default=None, metadata=cli(
+        "JSON object applied to the HF config"))
+    additional_config: dict[str, Any] | str | None = field(default=None, metadata=cli(
+        "JSON object of ingot options"))
+    served_model_name: str | None = field(default=None, metadata=cli())
+    # vLLM's --structured-outputs-config (JSON): {"backend": "xgrammar", ...}.
+    structured_outputs_config: dict[str, Any] | str | None = field(default=None, metadata=cli(
+        'JSON object, e.g. \'{"backend": "xgrammar", "compile_timeout_s": 10}\' '
+        "(docs/configuration.md)"))
+    # vLLM's --speculative-config (JSON): {"method": "ngram", "num_speculative_tokens": 3, ...}.
+    speculative_config: dict[str, Any] | str | None = field(default=None, metadata=cli(
+        'JSON object, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' '
+        "(docs/configuration.md)"))
     # vLLM's names. None: "uni" for one worker, "mp" for several.
-    distributed_executor_backend: str | None = None
+    distributed_executor_backend: str | None = field(default=None, metadata=cli(
+        "uni: the worker runs in the engine's process (default for one worker); mp: in child "
+        "processes, one per rank (default for several); ray: in Ray actors "
+        "(pip install 'ingot[ray]')", choices=EXECUTOR_BACKENDS))
     # Parallelism (vLLM's names; docs/parallelism.md). PP is validated and then refused as
     # not built yet.
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    enable_expert_parallel: bool = False
+    tensor_parallel_size: int = field(default=1, metadata=cli(
+        "ranks that split each layer (one worker process each)",
+        group=PARALLEL_GROUP, aliases=("-tp",)))
+    data_parallel_size: int = field(default=1, metadata=cli(
+        "independent replicas, one engine-core process each, behind one front end",
+        group=PARALLEL_GROUP, aliases=("-dp",)))
     # Multi-node data parallelism (vLLM's flags). None: every replica on this node.
-    data_parallel_size_local: int | None = None
-    data_parallel_start_rank: int = 0
-    data_parallel_address: str | None = None  # None: 127.0.0.1
-    data_parallel_rpc_port: int = 29550
+    data_parallel_size_local: int | None = field(default=None, metadata=cli(
+        "replicas on this node (default: all); the others run on other nodes under "
+        "ingot serve --headless", group=PARALLEL_GROUP))
+    data_parallel_start_rank: int = field(default=0, metadata=cli(
+        "the first replica's rank on a --headless node (default: 0)", group=PARALLEL_GROUP))
+    data_parallel_address: str | None = field(default=None, metadata=cli(
+        "the API server node's address, where other nodes' replicas connect "
+        "(default: 127.0.0.1)", group=PARALLEL_GROUP))
+    data_parallel_rpc_port: int = field(default=29550, metadata=cli(
+        "the first of the ports (one plus one per replica) at that address "
+        "(default: %(default)s)", group=PARALLEL_GROUP))
     # TP across nodes (vLLM's names): node 0 runs the engine, nodes 1.. only their worker ranks
     # (ingot serve --headless). master_addr: node 0's address (required with nnodes > 1).
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str | None = None
-    master_port: int = 29501
+    nnodes: int = field(default=1, metadata=cli(
+        "nodes one TP group spans (mp executor): each runs tensor-parallel-size / nnodes ranks "
+        "(default: %(default)s)", group=PARALLEL_GROUP))
+    node_rank: int = field(default=0, metadata=cli(
+        "this node's index; node 0 runs the engine, the others only their ranks, under "
+        "ingot serve --headless (default: %(default)s)", group=PARALLEL_GROUP))
+    master_addr: str | None = field(default=None, metadata=cli(
+        "node 0's address, where every node's ranks meet (required with --nnodes > 1)",
+        group=PARALLEL_GROUP))
+    master_port: int = field(default=29501, metadata=cli(
+        "torch.distributed's port at --master-addr; node 0's executor listens on the next "
+        "tensor-parallel-size ports (default: %(default)s)", group=PARALLEL_GROUP))
+    pipeline_parallel_size: int = field(default=1, metadata=cli(
+        "(not supported: only 1)", group=PARALLEL_GROUP, aliases=("-pp",)))
+    enable_expert_parallel: bool = field(default=False, metadata=cli(
+        "whole experts per rank, for MoE models (over every replica with -dp)",
+        group=PARALLEL_GROUP))
     # None = DEFAULT_ASYNC_SCHEDULING; True/False force it.
-    async_scheduling: bool | None = None
+    async_scheduling: bool | None = field(default=None, metadata=cli(
+        "schedule the next step while the current one runs (default: docs/configuration.md)"))
+    # Pooling (vLLM's names): --runner, --convert, --pooler-config JSON.
+    runner: str = field(default="auto", metadata=cli(
+        "generate text, or pool (embeddings, classification, scores); auto: from the "
+        "architecture. --runner pooling with no --model serves the default embedder "
+        "(all-MiniLM-L6-v2)", group=POOLING_GROUP, choices=RUNNERS))
+    convert: str = field(default="auto", metadata=cli(
+        "what a pooling runner makes of a generative model (auto: embed)",
+        group=POOLING_GROUP, choices=CONVERTS))
+    pooler_config: dict[str, Any] | str | None = field(default=None, metadata=cli(
+        'JSON, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' (default: from the '
+        "architecture and sentence-transformers' modules.json)", group=POOLING_GROUP))
+    # vLLM's flag: accept prompt_embeds tensors (off: a request with embeds is an error).
+    enable_prompt_embeds: bool = field(default=False, metadata=cli(
+        "accept prompts given as embeddings (prompt_embeds; docs/serving.md)"))
     # CPU compute threads: None = from the affinity mask, cgroup quota and OMP_NUM_THREADS /
     # VLLM_CPU_OMP_THREADS_BIND (platforms/cpu_threads.py); adaptive: fewer while contended.
-    cpu_threads: int | None = None
-    cpu_threads_bind: str | None = None
-    cpu_adaptive_threads: bool = True
-    # Pooling (vLLM's names): --runner, --convert, --pooler-config JSON.
-    runner: str = "auto"
-    convert: str = "auto"
-    pooler_config: dict[str, Any] | str | None = None
-    # vLLM's flag: accept prompt_embeds tensors (off: a request with embeds is an error).
-    enable_prompt_embeds: bool = False
-    # vLLM's --structured-outputs-config (JSON): {"backend": "xgrammar", ...}.
-    structured_outputs_config: dict[str, Any] | str | None = None
-    # vLLM's --speculative-config (JSON): {"method": "ngram", "num_speculative_tokens": 3, ...}.
-    speculative_config: dict[str, Any] | str | None = None
+    cpu_threads: int | None = field(default=None, metadata=cli(
+        "compute threads (default: OMP_NUM_THREADS, else one per CPU the affinity mask and "
+        "cgroup quota allow)", group=CPU_THREADS_GROUP))
+    cpu_threads_bind: str | None = field(default=None, metadata=cli(
+        "CPU list, one compute thread each (0-1, 0,2), or auto | nobind "
+        "(default: $VLLM_CPU_OMP_THREADS_BIND, else auto: unbound)", group=CPU_THREADS_GROUP))
+    cpu_adaptive_threads: bool = field(default=True, metadata=cli(
+        "run fewer compute threads while other processes use the CPUs (default: on)",
+        group=CPU_THREADS_GROUP))
+    # vLLM's flag: never compile, run every step eagerly.
+    enforce_eager: bool = field(default=False, metadata=cli(
+        "never compile; run every step eagerly", group=COMPILATION_GROUP))
+    # None = the platform default (on for CUDA; off for CPU, where the cold compile costs
+    # tens of seconds at start-up; see bench/compile_vs_eager.py); True/False force it.
+    compile: bool | None = field(default=None, metadata=cli(
+        "compile the decoder layers per bucket (default: on for CUDA, off for CPU)",
+        group=COMPILATION_GROUP))
+    enable_fx_passes: bool = field(default=True, metadata=cli(
+        "run ingot's FX passes before Inductor", group=COMPILATION_GROUP))
+    cache_dir: str | None = field(default=None, metadata=cli(
+        "compile cache root (default: $INGOT_CACHE_ROOT, else ~/.cache/ingot)",
+        group=COMPILATION_GROUP))
 
     @staticmethod
     def _json_arg(name: str, value: dict[str, Any] | str | None) -> dict[str, Any]:

@@ -141,7 +141,8 @@ def test_one_shot_sizing_yields_to_the_given_flags(tiny_llama_dir):
 
 
 def test_given_flags_and_prefill_budget():
-    from ingot.entrypoints.cli import given_flags, prefill_budget_for
+    from ingot.engine.arg_utils import prefill_budget_for
+    from ingot.entrypoints.cli import given_flags
 
     flags = given_flags(["generate", "hi", "--max-num-seqs", "3", "--chat"])
     assert {"max_num_seqs", "chat", "prompt"} <= flags

@@ -352,7 +352,8 @@ def test_bind_pins_the_calling_threads_team() -> None:
 
 
 def test_cli_flags_reach_engine_args() -> None:
-    from ingot.entrypoints.cli import build_parser, engine_args_from
+    from ingot.engine.arg_utils import engine_args_from
+    from ingot.entrypoints.cli import build_parser
 
     ns = build_parser().parse_args(["bench", "single", "--contend", "2", "--cpu-threads", "1",
                                     "--cpu-threads-bind", "0", "--no-cpu-adaptive-threads"])

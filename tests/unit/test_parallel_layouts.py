@@ -296,7 +296,8 @@ def test_multi_node_ep_is_refused(tmp_path):
 
 
 def test_cli_parses_the_multi_node_flags(tiny_llama_dir):
-    from ingot.entrypoints.cli import cmd_serve, engine_args_from
+    from ingot.engine.arg_utils import engine_args_from
+    from ingot.entrypoints.cli import cmd_serve
 
     argv = ["serve", str(tiny_llama_dir), "-dp", "4", "--data-parallel-size-local", "2",
             "--data-parallel-start-rank", "2", "--data-parallel-address", "10.0.0.1",

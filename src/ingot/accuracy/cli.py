@@ -7,12 +7,13 @@ a user can fix (printed as one ``error:`` line by the main CLI).
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+
+from ingot.engine.arg_utils import add_engine_args, engine_args_from, size_one_shot
 
 DEFAULT_REPORT_DIR = "ingot-validate-report"
 
 
-def add_validate_parser(sub: argparse._SubParsersAction, add_engine_args: Callable) -> None:
+def add_validate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "validate",
         help="check a model's logits against HF transformers",
@@ -76,7 +77,6 @@ def add_validate_parser(sub: argparse._SubParsersAction, add_engine_args: Callab
         from ingot.accuracy.capture import DEFAULT_PATTERNS
         from ingot.accuracy.report import verdict_table
         from ingot.accuracy.validate import DEFAULT_MAX_TOKENS, load_prompts, run_validation
-        from ingot.entrypoints.cli import engine_args_from, size_one_shot
 
         if ns.model_pos is not None:
             if ns.model is not None and ns.model != ns.model_pos:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ingot.config import EngineArgs
+from ingot.engine.arg_utils import add_engine_args, engine_args_from, size_one_shot
 from ingot.errors import IngotError
 from ingot.sampling_params import SamplingParams
 from ingot.version import __version__
@@ -25,128 +26,8 @@ def _nullable_int(value: str) -> int | None:
     return None if value.lower() in ("none", "null") else int(value)
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    d = EngineArgs()
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="HF model directory or .gguf file "
-                   "(default: the embedded SmolLM2-135M-Instruct GGUF)")
-    g.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model's)")
-    g.add_argument("--dtype", default=d.dtype,
-                   help="auto | float32 | bfloat16 | float16 (default: %(default)s)")
-    g.add_argument("--device", default=d.device, help="auto | cpu | cuda | a plugin platform name")
-    g.add_argument("--seed", type=int, default=d.seed)
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="context length (default: the model's max_position_embeddings)")
-    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget per step (default 2048 with chunked prefill)")
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                   default=d.enable_chunked_prefill)
-    g.add_argument("--block-size", type=int, default=d.block_size)
-    g.add_argument("--num-gpu-blocks-override", type=int, default=None,
-                   help="exact number of KV cache blocks (overrides the memory budget)")
-    g.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                   help="KV cache memory budget in bytes")
-    g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype)
-    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
-                   help="fraction of device memory (host memory on CPU) ingot may use; the KV "
-                   "cache gets what the weights leave, capped (default: %(default)s)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=d.enable_prefix_caching,
-                   help="reuse the KV of shared prompt prefixes (default: on)")
-    g.add_argument("--hf-overrides", default=None, help="JSON object applied to the HF config")
-    g.add_argument("--additional-config", default=None, help="JSON object of ingot options")
-    g.add_argument("--served-model-name", default=None)
-    g.add_argument("--structured-outputs-config", default=None,
-                   help='JSON object, e.g. \'{"backend": "xgrammar", "compile_timeout_s": 10}\' '
-                   "(docs/configuration.md)")
-    g.add_argument("--speculative-config", default=None,
-                   help='JSON object, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' '
-                   "(docs/configuration.md)")
-    g.add_argument("--distributed-executor-backend", choices=["uni", "mp", "ray"], default=None,
-                   help="uni: the worker runs in the engine's process (default for one "
-                   "worker); mp: in child processes, one per rank (default for several); ray: "
-                   "in Ray actors (pip install 'ingot[ray]')")
-    par = parser.add_argument_group("parallelism (docs/parallelism.md)")
-    par.add_argument("-tp", "--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
-                     help="ranks that split each layer (one worker process each)")
-    par.add_argument("-dp", "--data-parallel-size", type=int, default=d.data_parallel_size,
-                     help="independent replicas, one engine-core process each, behind one "
-                     "front end")
-    par.add_argument("--data-parallel-size-local", type=int, default=None,
-                     help="replicas on this node (default: all); the others run on other "
-                     "nodes under ingot serve --headless")
-    par.add_argument("--data-parallel-start-rank", type=int, default=d.data_parallel_start_rank,
-                     help="the first replica's rank on a --headless node (default: 0)")
-    par.add_argument("--data-parallel-address", default=None,
-                     help="the API server node's address, where other nodes' replicas connect "
-                     "(default: 127.0.0.1)")
-    par.add_argument("--data-parallel-rpc-port", type=int, default=d.data_parallel_rpc_port,
-                     help="the first of the ports (one plus one per replica) at that address "
-                     "(default: %(default)s)")
-    par.add_argument("--nnodes", type=int, default=d.nnodes,
-                     help="nodes one TP group spans (mp executor): each runs "
-                     "tensor-parallel-size / nnodes ranks (default: %(default)s)")
-    par.add_argument("--node-rank", type=int, default=d.node_rank,
-                     help="this node's index; node 0 runs the engine, the others only their "
-                     "ranks, under ingot serve --headless (default: %(default)s)")
-    par.add_argument("--master-addr", default=None,
-                     help="node 0's address, where every node's ranks meet (required with "
-                     "--nnodes > 1)")
-    par.add_argument("--master-port", type=int, default=d.master_port,
-                     help="torch.distributed's port at --master-addr; node 0's executor "
-                     "listens on the next tensor-parallel-size ports (default: %(default)s)")
-    par.add_argument("-pp", "--pipeline-parallel-size", type=int,
-                     default=d.pipeline_parallel_size, help="(not supported: only 1)")
-    par.add_argument("--enable-expert-parallel", action="store_true",
-                     help="whole experts per rank, for MoE models (over every replica with -dp)")
-    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="schedule the next step while the current one runs (default: "
-                   "docs/configuration.md)")
-    p = parser.add_argument_group("pooling (docs/configuration.md)")
-    p.add_argument("--runner", choices=["auto", "generate", "pooling"], default=d.runner,
-                   help="generate text, or pool (embeddings, classification, scores); auto: "
-                   "from the architecture. --runner pooling with no --model serves the default "
-                   "embedder (all-MiniLM-L6-v2)")
-    p.add_argument("--convert", choices=["auto", "none", "embed", "classify"], default=d.convert,
-                   help="what a pooling runner makes of a generative model (auto: embed)")
-    p.add_argument("--pooler-config", default=None,
-                   help='JSON, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' (default: '
-                   "from the architecture and sentence-transformers' modules.json)")
-    g.add_argument("--enable-prompt-embeds", action="store_true",
-                   help="accept prompts given as embeddings (prompt_embeds; docs/serving.md)")
-    t = parser.add_argument_group("CPU threads (docs/configuration.md)")
-    t.add_argument("--cpu-threads", type=int, default=None,
-                   help="compute threads (default: OMP_NUM_THREADS, else one per CPU the "
-                   "affinity mask and cgroup quota allow)")
-    t.add_argument("--cpu-threads-bind", default=None,
-                   help="CPU list, one compute thread each (0-1, 0,2), or auto | nobind "
-                   "(default: $VLLM_CPU_OMP_THREADS_BIND, else auto: unbound)")
-    t.add_argument("--cpu-adaptive-threads", action=argparse.BooleanOptionalAction,
-                   default=d.cpu_adaptive_threads,
-                   help="run fewer compute threads while other processes use the CPUs "
-                   "(default: on)")
-    c = parser.add_argument_group("compilation")
-    c.add_argument("--enforce-eager", action="store_true",
-                   help="never compile; run every step eagerly")
-    c.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile the decoder layers per bucket (default: on for CUDA, off for "
-                   "CPU)")
-    c.add_argument("--enable-fx-passes", action=argparse.BooleanOptionalAction,
-                   default=d.enable_fx_passes, help="run ingot's FX passes before Inductor")
-    c.add_argument("--cache-dir", default=None,
-                   help="compile cache root (default: $INGOT_CACHE_ROOT, else ~/.cache/ingot)")
-
-
-# ---- one-shot sizing ---------------------------------------------------------------------
-# `generate`, `chat`, `validate` and single-request `bench` runs know their workload: one
-# prompt (times --n) at a time. The engine's defaults are sized for a server (256 sequences:
-# a KV cache of several GB, a warmup step per decode batch bucket up to 256 and per prefill
-# bucket up to 2048), which made `ingot generate` spend most of a minute before its first
-# token. These commands set the existing knobs to what they will run instead; a flag the user
-# typed always wins. `serve` keeps the full grid and its warmup.
-ONE_SHOT_MIN_TOKENS = 128  # the smallest prefill bucket (buckets.py)
-ONE_SHOT_MAX_TOKENS = 2048  # the engine's default token budget: never raised above it
+# ---- one-shot sizing (engine/arg_utils.py) ----------------------------------------------
+# The workload of `chat` and of a one-shot prompt, which these commands size the engine for.
 CHAT_TOKEN_BUDGET = 256  # interactive turns: prefix caching leaves only the new turn to prefill
 # Room for a chat template's framing and special tokens around the messages.
 TEMPLATE_SLACK_TOKENS = 64
@@ -170,48 +51,12 @@ def given_flags(argv: Sequence[str] | None) -> set[str]:
     return set(vars(parser.parse_args(argv)))
 
 
-def prefill_budget_for(num_tokens: int) -> int:
-    """The smallest power-of-two token budget (>= 128) that prefills ``num_tokens`` at once."""
-    budget = ONE_SHOT_MIN_TOKENS
-    while budget < min(num_tokens, ONE_SHOT_MAX_TOKENS):
-        budget *= 2
-    return budget
-
-
-def size_one_shot(ns: argparse.Namespace, num_seqs: int, prompt_tokens: int | None) -> None:
-    """Set max_num_seqs to the sequences the command runs at once and the token budget (hence
-    the prefill buckets) to the longest prompt it expects, unless the user gave them. The KV
-    cache follows: the worker never allocates more than max_num_seqs full-length sequences."""
-    given: set[str] = getattr(ns, "given_flags", set())
-    chosen = []
-    if "max_num_seqs" not in given:
-        ns.max_num_seqs = num_seqs
-        chosen.append(f"max_num_seqs={num_seqs}")
-    try:
-        extra = EngineArgs._json_arg("additional_config", ns.additional_config)
-    except ValueError:
-        extra = {}  # reported by the engine config with its own message
-    if (prompt_tokens is not None and "max_num_batched_tokens" not in given
-            and ns.enable_chunked_prefill  # without chunking the budget must cover max_model_len
-            and "num_batched_tokens_buckets" not in extra):
-        ns.max_num_batched_tokens = max(prefill_budget_for(prompt_tokens), ns.max_num_seqs)
-        chosen.append(f"max_num_batched_tokens={ns.max_num_batched_tokens}")
-    if chosen:
-        logger.info("sized for this command: %s (flags given on the command line win)",
-                    ", ".join(chosen))
-
-
 def prompt_token_bound(*texts: str | None, templated: bool = False) -> int:
     """An upper bound on the prompt's tokens before the tokenizer is loaded: byte-level BPE
     tokenizers give at most one token per UTF-8 byte (a longer prompt is still correct, its
     prefill is only split into chunks)."""
     n = sum(len(t.encode("utf-8")) for t in texts if t) + 8
     return n + TEMPLATE_SLACK_TOKENS if templated else n
-
-
-def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    names = EngineArgs.field_names()
-    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in names})
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -599,7 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from ingot.accuracy.cli import add_validate_parser
 
-    add_validate_parser(sub, add_engine_args)
+    add_validate_parser(sub)
     return parser
 
 
