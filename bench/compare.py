@@ -474,7 +474,7 @@ def ensure_model_dir(model_dir: Path) -> list[str]:
         return []
     from ingot.model_executor.loader.gguf_loader import default_model_path
 
-    cmd = [sys.executable, "-m", "ingot.entrypoints.cli", "convert", default_model_path(),
+    cmd = [sys.executable, "-m", "ingot.cli.main", "convert", default_model_path(),
            str(model_dir), "--dtype", "bfloat16"]
     subprocess.run(cmd, check=True, cwd=ROOT)
     return [shlex.join(cmd)]
@@ -484,7 +484,7 @@ def plan(workloads: Sequence[str], peer_threads: Sequence[str], model_dir: Path,
          peer_python: Path, batch_sizes: str, sweep_output_len: int,
          ingot_model: str | None) -> list[tuple[str, str, list[str], dict[str, str]]]:
     """(setting, workload, argv, env overrides) for every process, interleaved by workload."""
-    ingot_cli = [sys.executable, "-m", "ingot.entrypoints.cli", "bench"]
+    ingot_cli = [sys.executable, "-m", "ingot.cli.main", "bench"]
     model_flag = ["--model", ingot_model] if ingot_model else []
     steps = []
     for w in workloads:

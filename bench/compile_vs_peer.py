@@ -38,7 +38,7 @@ def main() -> None:
     args = ap.parse_args()
     ensure_model_dir(args.model_dir)
     cache = tempfile.mkdtemp(prefix="ingot-compile-vs-peer-")
-    ingot = [sys.executable, "-m", "ingot.entrypoints.cli", "bench", "--no-progress"]
+    ingot = [sys.executable, "-m", "ingot.cli.main", "bench", "--no-progress"]
     steps = [
         ("ingot compiled, cold cache", [*ingot, "offline,single", "--compile", "--cache-dir", cache]),
         ("ingot compiled, warm cache", [*ingot, "single", "--compile", "--cache-dir", cache]),

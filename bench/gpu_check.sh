@@ -17,7 +17,7 @@ bench() {  # LIMIT LABEL ARGS...
     local limit=$1 label=$2
     shift 2
     echo "== $label" | tee -a "$out/bench.log"
-    timeout "$limit" python3 -m ingot.entrypoints.cli bench $flags "$@" 2>&1 | tee -a "$out/bench.log"
+    timeout "$limit" python3 -m ingot.cli.main bench $flags "$@" 2>&1 | tee -a "$out/bench.log"
 }
 [ -n "$SKIP_EAGER" ] || bench 60 "eager (--enforce-eager)" offline,single --enforce-eager
 bench 60 "CUDA graphs, eager layers (--no-compile)" offline,single,sweep --no-compile

@@ -22,7 +22,7 @@ def free_port() -> int:
 def ingot_server(flags: list[str], timeout_s: float = 300) -> Iterator[str]:
     """Yields the server's base URL once it is ready."""
     port = free_port()
-    cmd = [sys.executable, "-m", "ingot.entrypoints.cli", "--log-level", "warning", "serve",
+    cmd = [sys.executable, "-m", "ingot.cli.main", "--log-level", "warning", "serve",
            "--host", "127.0.0.1", "--port", str(port), *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

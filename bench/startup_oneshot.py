@@ -28,8 +28,8 @@ SERVER_SIZED = ["--max-num-seqs", "256", "--max-num-batched-tokens", "2048"]
 
 def child(spawned_at: float, extra: list[str]) -> None:
     """Run `ingot generate` in this process with phase timers; print one JSON line."""
+    from ingot.cli import main as cli
     from ingot.engine.llm_engine import LLMEngine
-    from ingot.entrypoints import cli
     from ingot.entrypoints.llm import LLM
     from ingot.worker import model_runner, worker
 

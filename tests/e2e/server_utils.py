@@ -86,13 +86,13 @@ def run_server(
 ) -> Iterator[Server]:
     """`ingot serve ARGS` on a free loopback port, ready (polled on /health) when yielded;
     stopped with SIGINT (as Ctrl-C would) afterwards. ``launcher``: the command that stands for
-    `ingot` (default ``python -m ingot.entrypoints.cli``), e.g. a script that patches the engine
+    `ingot` (default ``python -m ingot.cli.main``), e.g. a script that patches the engine
     first."""
     port = free_port()
     log_path = log_dir / f"server-{port}.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [*(launcher or [sys.executable, "-m", "ingot.entrypoints.cli"]),
+            [*(launcher or [sys.executable, "-m", "ingot.cli.main"]),
              "--log-level", log_level, "serve", *args, "--host", "127.0.0.1", "--port", str(port)],
             stdout=log, stderr=subprocess.STDOUT, env=env,
         )

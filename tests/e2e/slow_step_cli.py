@@ -9,8 +9,8 @@ import sys
 import time
 from typing import Any
 
+from ingot.cli import main as cli
 from ingot.engine.llm_engine import LLMEngine
-from ingot.entrypoints import cli
 
 DELAY = float(os.environ["INGOT_TEST_STEP_DELAY"])
 _step = LLMEngine.step

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from ingot import SamplingParams
-from ingot.config import EngineArgs
+from ingot.engine.arg_utils import EngineArgs
 from ingot.engine.async_engine import AsyncLLM, EngineDeadError
 from ingot.engine.llm_engine import LLMEngine
 from ingot.entrypoints.openai.api_server import ServerSettings, build_app

@@ -12,7 +12,7 @@ import pytest
 def ingot(*args: str, timeout: int = 180, stdin: str | None = None,
           log_level: str = "warning") -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "ingot.entrypoints.cli", "--log-level", log_level, *args],
+        [sys.executable, "-m", "ingot.cli.main", "--log-level", log_level, *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -141,8 +141,8 @@ def test_one_shot_sizing_yields_to_the_given_flags(tiny_llama_dir):
 
 
 def test_given_flags_and_prefill_budget():
+    from ingot.cli.main import given_flags
     from ingot.engine.arg_utils import prefill_budget_for
-    from ingot.entrypoints.cli import given_flags
 
     flags = given_flags(["generate", "hi", "--max-num-seqs", "3", "--chat"])
     assert {"max_num_seqs", "chat", "prompt"} <= flags

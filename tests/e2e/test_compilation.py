@@ -40,7 +40,7 @@ def _clean_env() -> dict[str, str]:
 def cold_compile(tiny_llama_dir, tmp_path_factory):
     """Two `ingot compile` processes racing on one empty cache root."""
     root = tmp_path_factory.mktemp("compile-root")
-    cmd = [sys.executable, "-m", "ingot.entrypoints.cli", "--log-level", "warning", "compile",
+    cmd = [sys.executable, "-m", "ingot.cli.main", "--log-level", "warning", "compile",
            str(tiny_llama_dir),
            "--cache-dir", str(root), *CLI_FLAGS]
     procs = [subprocess.Popen(cmd, env=_clean_env(), stdout=subprocess.PIPE,

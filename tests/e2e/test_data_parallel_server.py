@@ -131,7 +131,7 @@ def test_two_node_launch_on_localhost(tiny_llama_dir, tmp_path, dp1_answers):
            "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(free_port())]
     with open(tmp_path / "headless.log", "w") as log:
         headless = subprocess.Popen(
-            [sys.executable, "-m", "ingot.entrypoints.cli", "serve", str(tiny_llama_dir),
+            [sys.executable, "-m", "ingot.cli.main", "serve", str(tiny_llama_dir),
              *TINY_FLAGS, *rpc, "--data-parallel-start-rank", "1", "--headless"],
             stdout=log, stderr=subprocess.STDOUT)
     try:

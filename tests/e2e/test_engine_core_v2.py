@@ -11,7 +11,7 @@ import time
 import pytest
 
 from ingot import LLM, SamplingParams
-from ingot.config import EngineArgs
+from ingot.engine.arg_utils import EngineArgs
 from ingot.engine.async_engine import AsyncLLM, EngineDeadError
 from ingot.engine.llm_engine import LLMEngine
 from ingot.worker.multiproc_executor import WorkerProcessError

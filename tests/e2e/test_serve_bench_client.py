@@ -9,7 +9,7 @@ import pytest
 from server_utils import TINY_FLAGS, run_server
 
 from ingot.benchmarks.serve import run_serve_bench
-from ingot.entrypoints.cli import main
+from ingot.cli.main import main
 
 
 @pytest.fixture(scope="module")

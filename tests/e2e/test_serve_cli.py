@@ -16,7 +16,7 @@ from server_utils import TINY_FLAGS, free_port, run_server
 
 def serve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "ingot.entrypoints.cli", "--log-level", "warning", "serve", *args],
+        [sys.executable, "-m", "ingot.cli.main", "--log-level", "warning", "serve", *args],
         capture_output=True, text=True, timeout=timeout,
     )
 
@@ -24,7 +24,7 @@ def serve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 def serve_in_process(capsys, *args: str) -> str:
     """`ingot serve ARGS` through the CLI's main() in this process (no interpreter start-up);
     returns its one error line."""
-    from ingot.entrypoints.cli import main
+    from ingot.cli.main import main
 
     assert main(["--log-level", "warning", "serve", *args]) == 2
     err = capsys.readouterr().err

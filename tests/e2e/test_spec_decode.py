@@ -10,7 +10,7 @@ import pytest
 from test_engine_core_v2 import _engine, _mixed_requests, _run
 
 from ingot import LLM, SamplingParams
-from ingot.config import EngineArgs
+from ingot.engine.arg_utils import EngineArgs
 
 NGRAM = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3, "adaptive": False}
 

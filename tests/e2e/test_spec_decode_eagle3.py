@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from test_engine_core_v2 import _engine, _run
 from test_spec_decode import _requests
 
-from ingot.config import EngineArgs
+from ingot.engine.arg_utils import EngineArgs
 
 H, HEADS, KV_HEADS, INTER, VOCAB, DRAFT_VOCAB = 64, 4, 2, 128, 259, 200
 
@@ -141,7 +141,7 @@ def test_cpu_decode_path_leaves_the_same_aux_states(tmp_path):
     (head_dim 32: the kernels' smallest)."""
     from tiny import make_tiny_model
 
-    from ingot.config import EngineArgs as Args
+    from ingot.engine.arg_utils import EngineArgs as Args
     from ingot.model_executor.layers.attention import AttentionMetadata
     from ingot.model_executor.layers.attention_backend import (
         attention_heads,

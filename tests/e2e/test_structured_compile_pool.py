@@ -313,7 +313,7 @@ def test_server_precheck_waits_off_the_engine_thread(tiny_llama_dir, gate):
 
 
 def _engine_args(path):
-    from ingot.config import EngineArgs
+    from ingot.engine.arg_utils import EngineArgs
 
     return EngineArgs(model=str(path), dtype="float32", max_model_len=256,
                       structured_outputs_config={"compile_timeout_s": 1.0})

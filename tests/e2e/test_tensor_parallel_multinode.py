@@ -57,7 +57,7 @@ def runs(moe_dir, tmp_path_factory):
     # Node 1 first: its rank waits in the rendezvous while the TP 1 reference runs.
     with open(log_path, "w") as log:
         node1 = subprocess.Popen(
-            [sys.executable, "-m", "ingot.entrypoints.cli", "serve", str(moe_dir),
+            [sys.executable, "-m", "ingot.cli.main", "serve", str(moe_dir),
              "--dtype", "float32", "--max-model-len", "128", "--block-size", "4",
              "--max-num-seqs", "4", *nodes, "--node-rank", "1", "--headless"],
             stdout=log, stderr=subprocess.STDOUT)

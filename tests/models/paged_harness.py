@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ingot.config import EngineArgs
+from ingot.engine.arg_utils import EngineArgs
 from ingot.model_executor.layers.attention import AttentionMetadata
 from ingot.model_executor.loader.model_loader import load_model
 from ingot.model_executor.models.llama import head_dim_of

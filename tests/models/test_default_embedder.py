@@ -142,7 +142,7 @@ def test_truncation_keeps_unit_norm_and_matches_hf(reference, llm_fp32):
 def test_default_dtype_is_the_platforms_encoder_dtype():
     """float32 on CPUs without AMX (faster there, and exact), bf16 with it; and an encoder runs
     unbucketed (no padding) unless bucketing is asked for."""
-    from ingot.config import EngineArgs
+    from ingot.engine.arg_utils import EngineArgs
     from ingot.platforms.cpu import CpuPlatform
 
     config = EngineArgs(runner="pooling").create_engine_config()

@@ -284,7 +284,7 @@ def test_fused_moe_kernel_on_expert_and_intermediate_shards(dtype):
 def test_bf16_moe_model_packs_its_experts_and_counts_them(tmp_path):
     """Loaded in bf16, every MoE layer reads packed experts (the plain copy released) and the
     resident weight bytes count the packed copy, as the KV budget needs."""
-    from ingot.config import EngineArgs
+    from ingot.engine.arg_utils import EngineArgs
     from ingot.model_executor.layers.linear import resident_weight_bytes
     from ingot.model_executor.loader.model_loader import load_model
 
@@ -316,7 +316,7 @@ def test_route_renormalised_equals_softmax_over_top_k_logits():
 
 
 def test_compile_is_refused_for_moe_models(tmp_path):
-    from ingot.config import EngineArgs
+    from ingot.engine.arg_utils import EngineArgs
 
     path = make_tiny_model("mixtral", tmp_path)
     with pytest.raises(ValueError, match="drop --compile"):
@@ -431,7 +431,7 @@ def test_qwen3moe_gguf_matches_hf(tmp_path):
 def test_moe_models_run_eagerly_without_cuda_graphs_on_cuda(tmp_path):
     """The expert grouping syncs with the host (per-expert token counts), which neither a
     full-graph compile nor a CUDA graph capture can take: on CUDA both are off for MoE."""
-    from ingot.config import EngineArgs
+    from ingot.engine.arg_utils import EngineArgs
     from ingot.model_executor.models.moe import MixtralForCausalLM
 
     path = make_tiny_model("mixtral", tmp_path)

@@ -14,7 +14,7 @@ import torch
 
 from ingot.accuracy.reference import HFReference, ReferenceRun
 from ingot.accuracy.validate import DEFAULT_PROMPTS, run_validation
-from ingot.config import EngineArgs
+from ingot.engine.arg_utils import EngineArgs
 
 pytestmark = pytest.mark.slow
 
@@ -90,7 +90,7 @@ def test_rope_theta_override_fails_and_compare_names_layer0_attention(tmp_path):
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in DEFAULT_PROMPTS[:8]))
     proc = subprocess.run(
         [
-            sys.executable, "-m", "ingot.entrypoints.cli", "--log-level", "warning", "validate",
+            sys.executable, "-m", "ingot.cli.main", "--log-level", "warning", "validate",
             "--hf-overrides", '{"rope_theta": 50000}', "--max-model-len", str(MAX_MODEL_LEN),
             # bf16 as the gate above, whatever this CPU's default dtype (fp32 without bf16
             # math: a two-way run, which has no sigma ratio to assert on)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ingot.entrypoints.cli import build_parser, chat_options_from
+from ingot.cli.main import build_parser, chat_options_from
 from ingot.entrypoints.openai.reasoning_parsers import DeepSeekR1ReasoningParser
 from ingot.entrypoints.openai.serving import tools_chat_template
 from ingot.entrypoints.openai.tool_parsers.hermes import HermesToolParser

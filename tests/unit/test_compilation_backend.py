@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ingot.compilation.cache import CompileCacheMissError
-from ingot.config import EngineArgs
+from ingot.engine.arg_utils import EngineArgs
 from ingot.worker.model_compiler import ModelCompiler
 from ingot.worker.warmup import warmup_scheduler_output, warmup_shapes
 from ingot.worker.worker import Worker
@@ -115,7 +115,7 @@ def test_hit_only_miss_is_a_clear_error(tiny_llama_dir, tmp_path, monkeypatch):
 
 
 def test_compile_cli_rejects_enforce_eager(tiny_llama_dir, capsys):
-    from ingot.entrypoints.cli import main
+    from ingot.cli.main import main
 
     assert main(["compile", str(tiny_llama_dir), "--enforce-eager"]) == 2
     assert "--enforce-eager" in capsys.readouterr().err

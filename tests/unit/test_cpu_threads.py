@@ -352,8 +352,8 @@ def test_bind_pins_the_calling_threads_team() -> None:
 
 
 def test_cli_flags_reach_engine_args() -> None:
+    from ingot.cli.main import build_parser
     from ingot.engine.arg_utils import engine_args_from
-    from ingot.entrypoints.cli import build_parser
 
     ns = build_parser().parse_args(["bench", "single", "--contend", "2", "--cpu-threads", "1",
                                     "--cpu-threads-bind", "0", "--no-cpu-adaptive-threads"])
@@ -364,7 +364,7 @@ def test_cli_flags_reach_engine_args() -> None:
 
 def test_bad_thread_settings_fail_at_config_time(tiny_llama_dir: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    from ingot.config import EngineArgs
+    from ingot.engine.arg_utils import EngineArgs
 
     with pytest.raises(ValueError, match="--cpu-threads"):
         EngineArgs(model=str(tiny_llama_dir), device="cpu", cpu_threads=0).create_engine_config()

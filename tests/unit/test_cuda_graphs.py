@@ -101,7 +101,7 @@ def test_replay_rejects_a_step_unlike_its_bucket(tiny_llama_dir):
 
 
 def test_graphs_follow_the_platform_and_enforce_eager(tiny_llama_dir):
-    from ingot.config import EngineArgs
+    from ingot.engine.arg_utils import EngineArgs
 
     def config(**kw):
         return EngineArgs(model=str(tiny_llama_dir), skip_tokenizer_init=True,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ingot.entrypoints import cli, launcher
+from ingot.cli import launcher
+from ingot.cli import main as cli
 
 
 def _interrupt(*args: object, **kwargs: object) -> None:

@@ -10,8 +10,8 @@ import os
 import pytest
 from dp_child_stub import child
 
-from ingot.config import EngineArgs
-from ingot.entrypoints.cli import check_headless
+from ingot.cli.main import check_headless
+from ingot.engine.arg_utils import EngineArgs
 from ingot.worker.multiproc_executor import (
     ChildProcesses,
     MultiprocExecutor,

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ingot.config import EngineArgs
+from ingot.cli.main import build_parser
 from ingot.distributed.layouts import (
     ParallelSizes,
     dp_column_group_ranks,
@@ -20,7 +20,7 @@ from ingot.distributed.layouts import (
     tp_group_ranks,
     validate_parallel_sizes,
 )
-from ingot.entrypoints.cli import build_parser
+from ingot.engine.arg_utils import EngineArgs
 
 
 def test_tp_groups_are_contiguous():
@@ -296,8 +296,8 @@ def test_multi_node_ep_is_refused(tmp_path):
 
 
 def test_cli_parses_the_multi_node_flags(tiny_llama_dir):
+    from ingot.cli.main import cmd_serve
     from ingot.engine.arg_utils import engine_args_from
-    from ingot.entrypoints.cli import cmd_serve
 
     argv = ["serve", str(tiny_llama_dir), "-dp", "4", "--data-parallel-size-local", "2",
             "--data-parallel-start-rank", "2", "--data-parallel-address", "10.0.0.1",

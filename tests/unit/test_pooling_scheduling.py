@@ -10,12 +10,12 @@ from ingot.buckets import BucketGrid
 from ingot.config import (
     DEFAULT_MAX_PREFILLS_PER_STEP,
     ENCODER_STEP_TOKENS,
-    EngineArgs,
     SchedulerConfig,
 )
 from ingot.core.kv_cache_manager import KVCacheManager
 from ingot.core.request import Request, RequestStatus
 from ingot.core.scheduler import Scheduler
+from ingot.engine.arg_utils import EngineArgs
 from ingot.pooling_params import PoolingParams
 from ingot.runner_output import ModelRunnerOutput
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ingot.config import EngineArgs
+from ingot.engine.arg_utils import EngineArgs
 
 
 def _config(path, tp=2, **additional):

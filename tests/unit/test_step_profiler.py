@@ -125,7 +125,7 @@ def test_config_validation(value, fragment):
 
 
 def test_config_from_additional_config():
-    from ingot.config import EngineArgs
+    from ingot.engine.arg_utils import EngineArgs
 
     args = EngineArgs(additional_config='{"profiler": {"delay_iterations": "x"}}')
     with pytest.raises(ValueError, match="profiler.delay_iterations"):

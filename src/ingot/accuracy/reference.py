@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ingot.config import resolve_model_path
+from ingot.engine.model_resolution import resolve_model_path
 
 logger = logging.getLogger("ingot")
 

@@ -40,7 +40,7 @@ from ingot.accuracy.logit_validation import aggregate as aggregate_results
 from ingot.accuracy.metrics import DEFAULT_TOLERANCE_MAP, FP32_TOLERANCE_MAP, mantissa_bits_of
 from ingot.accuracy.reference import HFReference, ReferenceRun
 from ingot.accuracy.report import Prompt, ValidateReport, write_report
-from ingot.config import EngineArgs
+from ingot.engine.arg_utils import EngineArgs
 
 logger = logging.getLogger("ingot")
 

@@ -9,7 +9,7 @@ import random
 import time
 from typing import Any
 
-from ingot.config import EngineArgs
+from ingot.engine.arg_utils import EngineArgs
 
 logger = logging.getLogger("ingot")
 

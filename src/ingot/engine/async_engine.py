@@ -19,7 +19,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from ingot.config import EngineArgs
+from ingot.engine.arg_utils import EngineArgs
 from ingot.engine.llm_engine import LLMEngine, PromptType
 from ingot.engine.outputs import PoolingRequestOutput, RequestOutput
 from ingot.errors import IngotError

@@ -14,9 +14,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ingot.config import EngineArgs, EngineConfig
+from ingot.config import EngineConfig
 from ingot.core.outputs import EngineCoreOutput
 from ingot.core.request import Request, RequestStatus
+from ingot.engine.arg_utils import EngineArgs
 from ingot.engine.core import EngineCore
 from ingot.engine.detokenizer import IncrementalDetokenizer
 from ingot.engine.dp_client import DPEngineCoreClient

@@ -7,8 +7,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from ingot.config import EngineArgs
 from ingot.engine import scoring
+from ingot.engine.arg_utils import EngineArgs
 from ingot.engine.llm_engine import LLMEngine, PromptType
 from ingot.engine.outputs import (
     ClassificationRequestOutput,

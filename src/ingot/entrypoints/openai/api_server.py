@@ -27,7 +27,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ingot.config import EngineArgs
+from ingot.engine.arg_utils import EngineArgs
 from ingot.engine.async_engine import AsyncLLM, EngineDeadError
 from ingot.engine.llm_engine import LLMEngine
 from ingot.engine.tokenizer import apply_chat_template

@@ -13,8 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ingot.config import EngineArgs
-from ingot.engine.arg_utils import add_engine_args, engine_args_from, size_one_shot
+from ingot.engine.arg_utils import EngineArgs, add_engine_args, engine_args_from, size_one_shot
 from ingot.errors import IngotError
 from ingot.sampling_params import SamplingParams
 from ingot.version import __version__

@@ -9,7 +9,7 @@ import sys
 
 def main() -> int:
     try:
-        from ingot.entrypoints.cli import main as cli_main
+        from ingot.cli.main import main as cli_main
 
         return cli_main()
     except KeyboardInterrupt:
