@@ -18,6 +18,7 @@ from functools import partial
 
 import torch
 
+from ingot.model_executor.layers.bindable import Kernels
 from ingot.model_executor.layers.cpu_kernels import load_cpu_kernels
 from ingot.model_executor.layers.fused_moe import FusedMoE
 
@@ -41,8 +42,7 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,8,128")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    kernels = load_cpu_kernels()
-    if kernels is None:
+    if load_cpu_kernels() is None:
         raise SystemExit("ingot's CPU kernels do not build here")
     print(f"{args.threads} thread(s), median of {args.rounds} rounds; us per call (wall / CPU)")
     print("| layer | tokens | torch path | kernel | speed-up (wall, CPU) |")
@@ -55,7 +55,7 @@ def main() -> None:
                 p.normal_(0, 0.05)
         fused = FusedMoE(experts, top_k, hidden, inter, True).to(torch.bfloat16)
         fused.load_state_dict(plain.state_dict())
-        assert fused.bind_cpu_kernels(kernels)
+        assert fused.bind_kernels(Kernels(cpu=True))
         for tokens in map(int, args.tokens.split(",")):
             x = torch.randn(tokens, hidden).to(torch.bfloat16)
             ids = torch.rand(tokens, experts).topk(top_k, dim=-1).indices

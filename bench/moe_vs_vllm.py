@@ -41,12 +41,13 @@ if engine == "vllm":
             [{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)]
 else:
     from ingot import LLM, SamplingParams
+    from ingot.model_executor.layers.bindable import NO_KERNELS
     from ingot.model_executor.layers.fused_moe import FusedMoE
-    bound, bind = [], FusedMoE.bind_cpu_kernels
+    bound, bind = [], FusedMoE.bind_kernels
     def counted(layer, kernels):
-        bound.append(bind(layer, None if engine == "ingot-torch-moe" else kernels))
+        bound.append(bind(layer, NO_KERNELS if engine == "ingot-torch-moe" else kernels))
         return bound[-1]
-    FusedMoE.bind_cpu_kernels = counted
+    FusedMoE.bind_kernels = counted
     llm = LLM(model, dtype="bfloat16", max_model_len=512, max_num_seqs=max(batch, 1),
               skip_tokenizer_init=True)
     def run(prompts, sp):

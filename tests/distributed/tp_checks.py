@@ -17,7 +17,7 @@ import transformers
 from ingot.distributed import parallel_state
 from ingot.distributed.group import GroupCoordinator
 from ingot.model_executor.layers.attention import AttentionMetadata
-from ingot.model_executor.layers.cpu_kernels import load_cpu_kernels
+from ingot.model_executor.layers.bindable import Kernels
 from ingot.model_executor.layers.fused_moe import FusedMoE, route
 from ingot.model_executor.layers.linear import (
     ColumnParallelLinear,
@@ -341,7 +341,7 @@ def moe(group: GroupCoordinator, ep_size: int = 1) -> None:
             else:
                 assert torch.equal(part, torch.zeros_like(part)), "nonzero off-rank output"
         # ingot's fused expert kernel on this rank's shard (global ids, local experts).
-        if layer.bind_cpu_kernels(load_cpu_kernels()):
+        if layer.bind_kernels(Kernels(cpu=True)):
             _close(layer(x), ref(x), f"MoE kernel (ep_size {ep_size})")
             if ep_size == w and w > 1 and r > 0:
                 part = layer.experts(x, weights, only_rank0)

@@ -142,12 +142,9 @@ def test_cpu_decode_path_leaves_the_same_aux_states(tmp_path):
     from tiny import make_tiny_model
 
     from ingot.engine.arg_utils import EngineArgs as Args
+    from ingot.model_executor.binding import attention_heads, bind, select_kernels
     from ingot.model_executor.layers.attention import AttentionMetadata
-    from ingot.model_executor.layers.attention_backend import (
-        attention_heads,
-        bind_attention_backend,
-        select_attention_backend,
-    )
+    from ingot.model_executor.layers.attention_backend import select_attention_backend
     from ingot.model_executor.loader.model_loader import load_model
 
     make_tiny_model("llama", tmp_path, vocab_size=VOCAB, num_hidden_layers=8,
@@ -156,7 +153,8 @@ def test_cpu_decode_path_leaves_the_same_aux_states(tmp_path):
     model = load_model(config.model_config, torch.device("cpu"))
     backend = select_attention_backend(torch.device("cpu"), torch.bfloat16, torch.bfloat16,
                                        False, attention_heads(model))
-    assert bind_attention_backend(model, backend) is not None
+    kernels = select_kernels(model, torch.bfloat16, torch.device("cpu"))
+    assert bind(model, backend, kernels).decode_program is not None
     model.model.aux_hidden_state_layers = (2, 4, 5)
     shape = (2, 8, 4, 1, 32)
     results = []

@@ -10,7 +10,9 @@ from typing import Any
 import torch
 
 from ingot.engine.arg_utils import EngineArgs
+from ingot.model_executor.binding import bind, select_kernels
 from ingot.model_executor.layers.attention import AttentionMetadata
+from ingot.model_executor.layers.attention_backend import TORCH_ATTENTION
 from ingot.model_executor.loader.model_loader import load_model
 from ingot.model_executor.models.llama import head_dim_of
 
@@ -21,7 +23,10 @@ class PagedHarness:
             model=str(model_dir), dtype="float32", skip_tokenizer_init=True, block_size=block_size, **args
         ).create_engine_config()
         self.hf_config = config.model_config.hf_config
-        self.model = load_model(config.model_config, torch.device("cpu"))
+        cpu = torch.device("cpu")
+        self.model = load_model(config.model_config, cpu)
+        bind(self.model, TORCH_ATTENTION,
+             select_kernels(self.model, config.model_config.dtype, cpu))
         hf = self.hf_config
         # This rank's KV heads (all of them without tensor parallelism).
         kv_heads = self.model.model.layers[0].self_attn.num_kv_heads

@@ -19,6 +19,7 @@ from test_tiny_models_vs_hf import ATOL, PROMPT, _compare_prefill_and_decode
 from tiny import hf_model, make_tiny_model
 
 from ingot import LLM, SamplingParams
+from ingot.model_executor.layers.bindable import Kernels
 from ingot.model_executor.layers.cpu_kernels import load_cpu_kernels
 from ingot.model_executor.layers.fused_moe import (
     FusedMoE,
@@ -211,7 +212,7 @@ def _kernel_case(num_experts: int, top_k: int, num_tokens: int, dtype: torch.dty
 
 def _kernel_experts(layer: FusedMoE, x: torch.Tensor, weights: torch.Tensor,
                     ids: torch.Tensor) -> torch.Tensor:
-    assert layer.bind_cpu_kernels(load_cpu_kernels())
+    assert layer.bind_kernels(Kernels(cpu=True))
     return layer.experts(x, weights, ids)
 
 
@@ -285,6 +286,8 @@ def test_bf16_moe_model_packs_its_experts_and_counts_them(tmp_path):
     """Loaded in bf16, every MoE layer reads packed experts (the plain copy released) and the
     resident weight bytes count the packed copy, as the KV budget needs."""
     from ingot.engine.arg_utils import EngineArgs
+    from ingot.model_executor.binding import bind, select_kernels
+    from ingot.model_executor.layers.attention_backend import TORCH_ATTENTION
     from ingot.model_executor.layers.linear import resident_weight_bytes
     from ingot.model_executor.loader.model_loader import load_model
 
@@ -292,6 +295,7 @@ def test_bf16_moe_model_packs_its_experts_and_counts_them(tmp_path):
     config = EngineArgs(model=str(path), dtype="bfloat16",
                         skip_tokenizer_init=True).create_engine_config()
     model = load_model(config.model_config, torch.device("cpu"))
+    bind(model, TORCH_ATTENTION, select_kernels(model, torch.bfloat16, torch.device("cpu")))
     layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
     assert layers and all(m.cpu_kernels is not None and m.w13.numel() == 0 for m in layers)
     packed = sum(t.numel() * t.element_size() for m in layers for t in m.kernel_weights)

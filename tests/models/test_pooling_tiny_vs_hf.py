@@ -196,14 +196,19 @@ def test_bert_fp32_blocks_bind_the_fused_epilogues(tiny_bert, monkeypatch):
     """Every fp32 block takes ingot's fused epilogue kernels at load (the gates above run
     through them); a GELU kernel handed a zero bias must then break the HF gate, and bf16
     blocks (oneDNN's own fused linears) take none."""
-    from ingot.model_executor.layers.cpu_kernels import bind_cpu_kernels
+    from ingot.model_executor.binding import bind
+    from ingot.model_executor.layers.attention_backend import TORCH_ATTENTION
+    from ingot.model_executor.layers.bindable import Kernels
+
+    def bound_kernel_layers(model):  # noqa: ANN001, ANN202
+        return bind(model, TORCH_ATTENTION, Kernels(cpu=True)).kernel_layers
 
     config = bert_config(vocab_size=512)
-    assert bind_cpu_kernels(ingot_bert.BertModel(config)) == 1 + 3 * config.num_hidden_layers
+    assert bound_kernel_layers(ingot_bert.BertModel(config)) == 1 + 3 * config.num_hidden_layers
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        assert bind_cpu_kernels(ingot_bert.BertModel(config)) == 0
+        assert bound_kernel_layers(ingot_bert.BertModel(config)) == 0
     finally:
         torch.set_default_dtype(previous)
 

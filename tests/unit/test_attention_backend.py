@@ -12,6 +12,7 @@ from ingot.model_executor.layers import cpu_kernels
 from ingot.model_executor.layers.attention import AttentionMetadata, KVScales
 from ingot.model_executor.layers.attention_backend import (
     TORCH_ATTENTION,
+    AttentionBindable,
     CpuKernelAttention,
     select_attention_backend,
 )
@@ -122,7 +123,7 @@ def _bound(path, dtype):
 
     def report(worker):  # noqa: ANN001, ANN202
         model = worker.model_runner.model
-        layers = [m for m in model.modules() if hasattr(m, "attn_backend")]
+        layers = [m for m in model.modules() if isinstance(m, AttentionBindable)]
         names = {m.attn_backend.name for m in layers}
         return (worker.attn_backend.name, names, len(layers),
                 getattr(model, "decode_program", None) is not None)

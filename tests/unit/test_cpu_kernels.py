@@ -8,6 +8,7 @@ import torch
 from torch.nn import functional as F
 
 from ingot.model_executor.layers import cpu_kernels
+from ingot.model_executor.layers.bindable import Kernels
 from ingot.model_executor.layers.layernorm import RMSNorm
 from ingot.model_executor.layers.linear import ReplicatedLinear
 from ingot.model_executor.layers.rotary import RotaryEmbedding
@@ -216,7 +217,7 @@ def test_rms_norm_module_uses_the_kernel_once_attached():
     norm.weight.data.normal_()
     x = torch.randn(5, 64).to(torch.bfloat16)
     expected = norm(x)
-    norm.attach_cpu_kernels(fn)
+    norm.bind_kernels(Kernels(cpu=True, pack="bf16"))
     assert norm.cpu_kernels is fn
     assert torch.equal(norm(x), expected)
 

@@ -24,7 +24,8 @@ def _prefill(real: int, padded: int, width: int) -> torch.Tensor:
     positions = torch.cat([real_pos, real_pos[-1:].expand(padded - real)])
     slots = torch.full((padded,), -1)
     slots[:real] = BLOCK + real_pos  # blocks 1.. in order
-    meta = AttentionMetadata.build(positions, [padded], slots, table, block_size=BLOCK, causal=True)
+    meta = AttentionMetadata.build(positions, [padded], slots, table, block_size=BLOCK,
+                                   from_position_zero=True)
     out = paged_attention(q, k, v, cache, meta, HEAD_DIM**-0.5)
     return out[:real], q[:real], k[:real], v[:real]
 

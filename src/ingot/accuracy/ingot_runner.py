@@ -61,8 +61,8 @@ def record_logits(model: nn.Module) -> Iterator[_Recorder]:
     rec = _Recorder()
     original = model.compute_logits
 
-    def wrapper(hidden: torch.Tensor) -> torch.Tensor:
-        out = original(hidden)
+    def wrapper(hidden: torch.Tensor, kernel_rows: int = 0) -> torch.Tensor:
+        out = original(hidden, kernel_rows)
         rec.rows.append(out.detach().float().cpu().clone())
         return out
 

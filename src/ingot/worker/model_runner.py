@@ -31,7 +31,6 @@ from ingot.distributed.parallel_state import get_dp_group, get_tp_group
 from ingot.model_executor.layers.attention import AttentionMetadata
 from ingot.model_executor.layers.attention_backend import TORCH_ATTENTION, AttentionBackend
 from ingot.model_executor.layers.grammar_bitmask import apply_grammar_bitmask
-from ingot.model_executor.layers.linear import kernel_rows
 from ingot.model_executor.layers.pooler import Pooler, PoolingSegment
 from ingot.model_executor.layers.rejection_sampler import RejectionSampler, SpecDecodeMetadata
 from ingot.model_executor.layers.sampler import (
@@ -286,6 +285,7 @@ class ModelRunner:
         batch_rows = self.input_batch.rows([it.req_id for it in items])
         lens = [it.num_tokens for it in items]
         starts = [it.start_position for it in items]
+        from_zero = all(s == 0 for s in starts)
         if so.is_prefill:
             total = sum(lens)
             n_pad = max(so.num_padded, total) if grid.enabled else total
@@ -297,7 +297,6 @@ class ModelRunner:
                    for t in st.token_ids(s, n)]
             input_ids = torch.tensor(ids + [0] * (n_pad - total), dtype=torch.int64)
             rows = torch.repeat_interleave(torch.arange(num_reqs), torch.tensor(lens))
-            from_zero = all(s == 0 for s in starts)
             if not grid.enabled:
                 width = self.input_batch.max_num_blocks(batch_rows)
             elif from_zero:
@@ -308,7 +307,6 @@ class ModelRunner:
             query_lens = [n_pad] if num_reqs == 1 else lens
             ends = torch.cumsum(torch.tensor(lens), 0)
             sample_rows = (ends - 1).tolist()
-            causal = num_reqs == 1 and from_zero and not self.config.compilation.enabled
         else:
             # One row per token: a request's last token, then its drafts (a verification step
             # lays each request's 1 + d rows end to end, one decode row per position).
@@ -337,7 +335,6 @@ class ModelRunner:
             query_lens = [1] * b_pad
             sample_rows = (torch.cumsum(torch.tensor(lens), 0) - 1).tolist()
             n_pad = b_pad
-            causal = False
         table = self.input_batch.table(batch_rows, max(num_reqs, len(query_lens)), width)
         slots = torch.full((n_pad,), PAD_SLOT_ID, dtype=torch.int64)
         slots[:total] = slot_mapping(table, rows, real_pos, bs)
@@ -351,7 +348,7 @@ class ModelRunner:
             table.to(self.device),
             block_size=bs,
             # Eager only: under compilation the flag would split a prefill bucket in two graphs.
-            causal=causal,
+            from_position_zero=from_zero and not self.config.compilation.enabled,
             is_decode=not so.is_prefill,
             rows_share_sequences=verifying,
             # The kernels of a plain decode step of these requests (bit-exact greedy).
@@ -382,8 +379,7 @@ class ModelRunner:
         MoE layers take part in the step's collectives with the same shapes as the others'."""
         with self.grad_mode():
             input_ids, positions, meta, _ = self.dummy_batch_inputs(num_padded)
-            with kernel_rows(meta.kernel_rows):
-                self.model(input_ids, positions, self.kv_caches, meta)
+            self.model(input_ids, positions, self.kv_caches, meta)
         self.dummy_steps += 1
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -397,8 +393,7 @@ class ModelRunner:
         input_ids, positions, meta, last_rows = self.prepare_inputs(so)
         if so.is_prefill:
             self._prev_decode = None
-        with kernel_rows(meta.kernel_rows):
-            return self._run_model(so, input_ids, positions, meta, last_rows)
+        return self._run_model(so, input_ids, positions, meta, last_rows)
 
     def _run_model(
         self, so: SchedulerOutput, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -473,8 +468,8 @@ class ModelRunner:
                   if st.params.structured_outputs is None] if so.propose_drafts else []
         if not wanted and not isinstance(proposer, Eagle3Proposer):
             return  # (the EAGLE3 head follows every step)
-        with kernel_rows(0):  # the drafter's own forwards choose kernels by their own rows
-            drafts = self._drafts(proposer, so, last_rows, sample_reqs, new_tokens, wanted)
+        # (The drafter's forwards build their own metadata: their kernels go by their own rows.)
+        drafts = self._drafts(proposer, so, last_rows, sample_reqs, new_tokens, wanted)
         for (req_id, _), d in zip(wanted, drafts, strict=True):
             if d:
                 output.draft_token_ids[req_id] = d
@@ -548,8 +543,8 @@ class ModelRunner:
         spec = SpecDecodeMetadata.make(drafts, [row + 1 for row in last_rows])
         # A plain decode step computes its logits on one row per request (unpadded): the LM
         # head takes that step's kernel, as the layers took the padded batch's.
-        with kernel_rows(len(drafts)):
-            logits = self.model.compute_logits(hidden[spec.logits_indices.to(hidden.device)])
+        logits = self.model.compute_logits(hidden[spec.logits_indices.to(hidden.device)],
+                                           kernel_rows=len(drafts))
         row_states = [st for st, d in zip(states, drafts, strict=True) for _ in range(len(d) + 1)]
         row_outputs = [st.output_token_ids + d[:j] for st, d in zip(states, drafts, strict=True)
                        for j in range(len(d) + 1)]

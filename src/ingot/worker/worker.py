@@ -18,11 +18,10 @@ import torch
 from ingot.config import EngineConfig, ProfilerConfig
 from ingot.distributed.layouts import kv_heads_per_rank
 from ingot.distributed.parallel_state import tp_collectives
+from ingot.model_executor.binding import attention_heads, bind, select_kernels
 from ingot.model_executor.layers.attention_backend import (
     TORCH_ATTENTION,
     AttentionBackend,
-    attention_heads,
-    bind_attention_backend,
     select_attention_backend,
 )
 from ingot.model_executor.layers.cpu_kernels import bind_openmp_team
@@ -264,22 +263,19 @@ class Worker:
                                               team_binder=bind_openmp_team)
                             if self.device.type == "cpu" else None)
         torch.manual_seed(config.model_config.seed)
-        start = time.perf_counter()
-        self.model = load_model(config.model_config, self.device,
-                                keep_plain_weights=config.compilation.enabled)
-        # Speculative decoding's draft model, beside the target.
-        spec = config.speculative_config
-        self.draft_model = (
-            load_model(spec.draft_model_config, self.device)
-            if spec is not None and spec.draft_model_config is not None else None
-        )
-        self.load_seconds = time.perf_counter() - start
         self.kv_dtype = config.cache_config.torch_dtype(config.model_config.dtype)
-        # How attention runs, chosen once for each model (the draft's heads may differ).
-        self.attn_backend = self._bind_attention_backend(self.model, config.model_config.dtype)
-        if self.draft_model is not None:
-            assert spec is not None and spec.draft_model_config is not None
-            self._bind_attention_backend(self.draft_model, spec.draft_model_config.dtype)
+        start = time.perf_counter()
+        self.model = load_model(config.model_config, self.device)
+        # Compiled layers run on their plain weights: packing keeps them beside the copies.
+        self.attn_backend = self._bind(self.model, config.model_config.dtype,
+                                       keep_plain=config.compilation.enabled)
+        # Speculative decoding's draft model, beside the target (its heads may differ).
+        spec = config.speculative_config
+        self.draft_model = None
+        if spec is not None and spec.draft_model_config is not None:
+            self.draft_model = load_model(spec.draft_model_config, self.device)
+            self._bind(self.draft_model, spec.draft_model_config.dtype, keep_plain=False)
+        self.load_seconds = time.perf_counter() - start  # loading and binding (packing)
         # What the weights occupy, the kernels' derived layouts included (the KV budget is
         # what memory they leave).
         self.load_bytes = resident_weight_bytes(self.model) + (
@@ -297,17 +293,25 @@ class Worker:
         self.compiler: Any = None
         self.warmup_seconds = 0.0
 
-    def _bind_attention_backend(self, model: torch.nn.Module, dtype: torch.dtype) -> AttentionBackend:
+    def _bind(self, model: torch.nn.Module, dtype: torch.dtype, keep_plain: bool) -> AttentionBackend:
+        """The one binding step of a loaded model: its kernels and its attention backend,
+        each chosen once here, handed to its layers by ``bind``. Returns the backend."""
+        kernels = select_kernels(model, dtype, self.device, keep_plain)
         heads = attention_heads(model)
-        if heads is None:  # an encoder: its attention is not over a KV cache
-            return TORCH_ATTENTION
-        backend = select_attention_backend(self.device, dtype, self.kv_dtype,
-                                           self.config.compilation.enabled, heads)
-        program = bind_attention_backend(model, backend)
-        logger.info("attention backend: %s (%s, KV cache %s%s)%s", backend.name,
-                    str(dtype).removeprefix("torch."), str(self.kv_dtype).removeprefix("torch."),
-                    ", compiled" if self.config.compilation.enabled else "",
-                    "; decode steps run its decode program" if program is not None else "")
+        # An encoder's attention is not over a KV cache: no backend to choose.
+        backend = TORCH_ATTENTION if heads is None else select_attention_backend(
+            self.device, dtype, self.kv_dtype, self.config.compilation.enabled, heads)
+        bound = bind(model, backend, kernels)
+        logger.info("bound %s: %.1f MB resident (derived kernel layouts included), %d layers "
+                    "on ingot's CPU kernels", type(model).__name__,
+                    resident_weight_bytes(model) / 2**20, bound.kernel_layers)
+        if heads is not None:
+            logger.info("attention backend: %s (%s, KV cache %s%s)%s", backend.name,
+                        str(dtype).removeprefix("torch."),
+                        str(self.kv_dtype).removeprefix("torch."),
+                        ", compiled" if self.config.compilation.enabled else "",
+                        "; decode steps run its decode program"
+                        if bound.decode_program is not None else "")
         return backend
 
     def determine_num_blocks(self) -> int:

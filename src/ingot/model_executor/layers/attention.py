@@ -38,9 +38,10 @@ class AttentionMetadata:
     attn_mask: torch.Tensor | None = None
     write_slots: torch.Tensor | None = None  # slot_mapping with -1 pointed at slot 0
     write_valid: torch.Tensor | None = None  # [T, 1, 1] bool, slot_mapping >= 0
-    # One request prefilled from position 0: key index == position, so SDPA's own causal mask
-    # is exact for the real rows (padded rows, whose outputs are dropped, may see unwritten
-    # slots) and lets the kernel skip the blocks above the diagonal.
+    # One request prefilled from position 0, its padding included in its query (so the grid is
+    # the token order): key index == position, so SDPA's own causal mask is exact for the real
+    # rows (padded rows, whose outputs are dropped, may see unwritten slots) and lets the kernel
+    # skip the blocks above the diagonal. Decided once, by build(); attention only reads it.
     causal: bool = False
     # The step's kind, as the scheduler decided it (never re-derived from the shapes): decode =
     # one token per request. Kernels choose their decode program from this.
@@ -64,14 +65,16 @@ class AttentionMetadata:
         slot_mapping: torch.Tensor,
         block_table: torch.Tensor,
         block_size: int | None = None,
-        causal: bool = False,
+        from_position_zero: bool = False,
         is_decode: bool = False,
         rows_share_sequences: bool = False,
         kernel_rows: int = 0,
     ) -> AttentionMetadata:
-        """Derive the grid layout from per-request query lengths (host side, O(T)). ``causal``:
-        a single request whose query starts at position 0 (see the field). ``is_decode``: the
-        step is a decode step (every query length 1)."""
+        """Derive the grid layout from per-request query lengths (host side, O(T)).
+        ``from_position_zero``: every request's query starts at position 0, and the layers may
+        take plain causal attention for it (the runner says so only for eager layers: under
+        compilation the flag would split a prefill bucket in two graphs); ``causal`` is decided
+        from it here. ``is_decode``: the step is a decode step (every query length 1)."""
         device = positions.device
         num_reqs = len(query_lens)
         max_q = max(query_lens) if query_lens else 1
@@ -87,7 +90,9 @@ class AttentionMetadata:
         grid_positions = grid_positions.view(num_reqs, max_q)
         if is_decode and max_q != 1:
             raise ValueError(f"a decode step has one token per request, got up to {max_q}")
-        causal = causal and num_reqs == 1 and total == max_q
+        # A lone first prefill segment whose query holds every row of the step (padding too).
+        causal = (from_position_zero and not is_decode and num_reqs == 1
+                  and slot_mapping.shape[0] == total)
         attn_mask = None
         if block_size is not None and not causal:
             key_pos = torch.arange(block_table.shape[1] * block_size, device=device)
@@ -211,14 +216,10 @@ def paged_attention(
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     ctx_len = meta.block_table.shape[1] * block_size
     gqa = num_heads != num_kv_heads
-    if (
-        meta.causal
-        and identity
-        and sliding_window is None
-        and num_reqs == 1
-        and ctx_len == num_tokens
-        and kv_cache.dtype == key.dtype
-    ):
+    # meta.causal (one request, the grid its token order) is the step's; the window and the
+    # cache's dtype are this layer's.
+    causal = meta.causal and sliding_window is None
+    if causal and ctx_len == num_tokens and kv_cache.dtype == key.dtype:
         # A first prefill segment attends to exactly its own tokens, and the cache now holds
         # these very key/value rows: attend to them directly instead of gathering them back
         # (the padded tail differs, but only padded queries, whose outputs are dropped, see it).
@@ -242,7 +243,7 @@ def paged_attention(
     k = dequantize_kv(k, k_scale, query.dtype).transpose(1, 2)
     v = dequantize_kv(v, v_scale, query.dtype).transpose(1, 2)
 
-    if meta.causal and identity and sliding_window is None:
+    if causal:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         return out.transpose(1, 2).reshape(num_reqs * max_q, num_heads * head_dim)
     mask = meta.attn_mask

@@ -3,7 +3,7 @@ attention runs.
 
 A backend is selected for (device, model dtype, KV-cache dtype, compiled or not, the rank's
 head shape) by :func:`select_attention_backend`, and bound to every attention layer of a model
-by :func:`bind_attention_backend`. It owns:
+by the binding step (:func:`ingot.model_executor.binding.bind`). It owns:
 
 - the metadata builder (:meth:`AttentionBackend.build_metadata`): what its kernels read, built
   once per step;
@@ -67,7 +67,7 @@ class AttentionBackend:
         slot_mapping: torch.Tensor,
         block_table: torch.Tensor,
         block_size: int,
-        causal: bool = False,
+        from_position_zero: bool = False,
         is_decode: bool = False,
         rows_share_sequences: bool = False,
         kernel_rows: int = 0,
@@ -76,8 +76,9 @@ class AttentionBackend:
         with_mask = self.decode_mask or not is_decode
         return AttentionMetadata.build(
             positions, query_lens, slot_mapping, block_table,
-            block_size=block_size if with_mask else None, causal=causal, is_decode=is_decode,
-            rows_share_sequences=rows_share_sequences, kernel_rows=kernel_rows,
+            block_size=block_size if with_mask else None, from_position_zero=from_position_zero,
+            is_decode=is_decode, rows_share_sequences=rows_share_sequences,
+            kernel_rows=kernel_rows,
         )
 
     def attend(
@@ -153,6 +154,28 @@ class CpuKernelAttention(AttentionBackend):
 TORCH_ATTENTION = AttentionBackend()
 
 
+# The binding step's interfaces (model_executor/binding.py) for what a backend is handed to:
+# plain base classes rather than ABCs, since they mix into nn.Module.
+class AttentionBindable:
+    """An attention layer whose attention runs through the model's attention backend."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    def bind_attention(self, backend: AttentionBackend) -> None:
+        """Run attention through ``backend`` from now on."""
+        raise NotImplementedError
+
+
+class RunsDecodeProgram:
+    """A model that runs its attention backend's decode program (a whole decode step without
+    modules) for the steps the program serves, when the backend has one for it."""
+
+    #: Set by binding: ``backend.decode_program(model)``; None: the modules run every step.
+    decode_program: Any = None
+
+
 def select_attention_backend(
     device: torch.device,
     dtype: torch.dtype,
@@ -174,24 +197,3 @@ def select_attention_backend(
         if kernels is not None:
             return CpuKernelAttention(kernels)
     return TORCH_ATTENTION
-
-
-def attention_heads(model: nn.Module) -> tuple[int, int, int] | None:
-    """(query heads, KV heads, head dim) of ``model``'s attention layers on this rank; None
-    for a model without a bindable attention layer."""
-    for module in model.modules():
-        if hasattr(module, "attn_backend"):
-            return module.num_heads, module.num_kv_heads, module.head_dim
-    return None
-
-
-def bind_attention_backend(model: nn.Module, backend: AttentionBackend) -> Any:
-    """Give every attention layer of ``model`` the backend, and the model its decode program
-    (None where the backend has none for it). Returns the program."""
-    for module in model.modules():
-        if hasattr(module, "attn_backend"):
-            module.attn_backend = backend
-    if not hasattr(model, "decode_program"):
-        return None
-    model.decode_program = backend.decode_program(model)
-    return model.decode_program

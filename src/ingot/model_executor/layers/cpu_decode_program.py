@@ -132,7 +132,7 @@ class CpuDecodeProgram:
         x, h, res, qkv, attn, gate_up, act = self._activations(rows)
         xp, rp, attnp, actp = x.data_ptr(), res.data_ptr(), attn.data_ptr(), act.data_ptr()
         q_bytes, kv_bytes = heads * head_dim * 2, kv_heads * head_dim * 2
-        use_gemv = gemv_applies(rows, self.gemm)  # as LinearBase.forward chooses
+        use_gemv = gemv_applies(meta.kernel_rows or rows, self.gemm)  # as LinearBase.forward
         # Verification rows of one sequence read each other's keys: rotate and write every
         # row's key/value first (the same rotation as the fused kernel), then attend.
         write_first = meta.rows_share_sequences

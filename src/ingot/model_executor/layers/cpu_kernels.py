@@ -591,21 +591,6 @@ def fused_moe(
     return out
 
 
-def bind_cpu_kernels(model: torch.nn.Module) -> int:
-    """Offer ingot's CPU kernels to every layer of ``model`` that has a path through them: a
-    ``bind_cpu_kernels(kernels) -> bool`` method takes the bf16 library (MoE experts), a
-    ``bind_f32_kernels(kernels) -> bool`` method the float32 one (BERT's fused epilogues). Each
-    decides once, here at load, from the weights it holds, so forwards test nothing; returns
-    how many layers took them."""
-    taken = 0
-    for method, load in (("bind_cpu_kernels", load_cpu_kernels),
-                         ("bind_f32_kernels", load_f32_kernels)):
-        layers = [m for m in model.modules() if callable(getattr(m, method, None))]
-        kernels = load() if layers else None
-        taken += sum(bool(getattr(layer, method)(kernels)) for layer in layers)
-    return taken
-
-
 def bind_openmp_team(cpus: tuple[int, ...]) -> bool | None:
     """Bind the calling thread's OpenMP team, thread i -> cpus[i], with the float32 library's
     per-thread binding; None where that library cannot build (the caller falls back)."""

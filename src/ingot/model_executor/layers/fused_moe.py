@@ -25,15 +25,16 @@ distributed/data_parallel.py).
 
 The experts run in one C call (cpu_kernels.c, ``fused_moe``) where ingot's CPU kernels apply:
 on CPU, bfloat16 or float32 weights, the kernels built (decided once per layer at load time by
-:func:`~ingot.model_executor.layers.cpu_kernels.bind_cpu_kernels`; MoE models never compile). It takes the local expert shard and the
-first local expert's global id, so TP and EP partials are the same as the torch path's.
+:func:`~ingot.model_executor.binding.bind`; MoE models never compile). It takes the local expert
+shard and the first local expert's global id, so TP and EP partials are the same as the torch
+path's.
 Elsewhere (CUDA, other dtypes, ``INGOT_CPU_KERNELS=0``) the torch path below runs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -43,6 +44,7 @@ from ingot.distributed.group import GroupCoordinator
 from ingot.distributed.layouts import ep_rank_of, local_expert_range
 from ingot.distributed.parallel_state import get_tp_group
 from ingot.distributed.sequence_parallel import reduce_partial
+from ingot.model_executor.layers.bindable import KernelBindable, Kernels
 from ingot.model_executor.layers.cpu_kernels import (
     CpuKernels,
     fused_moe,
@@ -53,6 +55,9 @@ from ingot.model_executor.layers.linear import (
     shard_of,
     sharding_weight_loader,
 )
+
+if TYPE_CHECKING:
+    from ingot.model_executor.layers.attention import AttentionMetadata
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
@@ -92,7 +97,7 @@ def expert_parallel_weight_loader(local_experts: range, loader: Callable[..., No
     return load
 
 
-class FusedMoE(nn.Module):
+class FusedMoE(KernelBindable, nn.Module):
     """Router + this rank's experts (see the module docstring for the layouts); forward
     returns the full MoE output on every rank."""
 
@@ -133,30 +138,32 @@ class FusedMoE(nn.Module):
         # (expert, shard id) pieces seen by the loaders, every expert's (the model loader
         # marks a stacked parameter loaded at its first piece, so completeness is checked here).
         self.loaded_pieces: set[tuple[int, int]] = set()
-        # ingot's fused expert kernel, once bound (bind_cpu_kernels); None: the torch path.
+        # ingot's fused expert kernel, once bound (bind_kernels); None: the torch path.
         self.cpu_kernels: CpuKernels | None = None
         # The weights it reads: (w13, w2) in float32, their packed copies in bf16 (then the
         # plain ones are released, as packed linears do: nothing reads them any more).
         self.kernel_weights: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def bind_cpu_kernels(self, kernels: CpuKernels | None) -> bool:
-        """Use ``kernels``' fused expert computation from now on where it applies to these
-        weights (CPU; float32, or bfloat16 with even hidden and intermediate sizes; contiguous);
-        returns whether it does. Binding bf16 weights packs them and frees the plain copy."""
+    def bind_kernels(self, kernels: Kernels) -> bool:
+        """Use the bf16 library's fused expert computation from now on where it applies to
+        these weights (CPU; float32, or bfloat16 with even hidden and intermediate sizes;
+        contiguous); returns whether it does. Binding bf16 weights packs them and frees the
+        plain copy."""
+        lib = kernels.bf16
         if self.kernel_weights is not None:  # already bound (and maybe packed)
-            self.cpu_kernels = kernels or self.cpu_kernels
+            self.cpu_kernels = lib or self.cpu_kernels
             return True
         w13, w2 = self.w13.data, self.w2.data
-        applies = (kernels is not None and w13.device.type == "cpu" and w2.dtype == w13.dtype
+        applies = (lib is not None and w13.device.type == "cpu" and w2.dtype == w13.dtype
                    and w13.is_contiguous() and w2.is_contiguous()
                    and (w13.dtype == torch.float32
                         or (w13.dtype == torch.bfloat16 and self.hidden_size % 2 == 0
                             and self.local_intermediate % 2 == 0)))
-        self.cpu_kernels = kernels if applies else None
+        self.cpu_kernels = lib if applies else None
         if not applies:
             return False
         if w13.dtype == torch.bfloat16:
-            self.kernel_weights = pack_moe_weights(kernels, w13, w2)
+            self.kernel_weights = pack_moe_weights(lib, w13, w2)
             self.w13.data, self.w2.data = w13.new_empty(0), w2.new_empty(0)
         else:
             self.kernel_weights = (self.w13, self.w2)
@@ -233,10 +240,12 @@ class FusedMoE(nn.Module):
 
     # ---- forward ------------------------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
+        """``meta``: the step's metadata (its ``kernel_rows`` choose the router's kernel)."""
         if self.dp_group is not None:  # every replica's tokens, in DP rank order
             x = self.dp_group.all_gather(x, dim=0)
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        router_logits = self.gate(x, meta.kernel_rows if meta is not None else 0)
+        weights, ids = route(router_logits, self.top_k, self.renormalize)
         out = self.experts(x, weights, ids)
         if self.dp_group is None:
             # All-reduced; in a sequence-parallel prefill reduce-scattered to this rank's rows.

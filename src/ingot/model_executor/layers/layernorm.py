@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ingot.model_executor.layers.bindable import KernelBindable, Kernels
 from ingot.model_executor.layers.cpu_kernels import CpuKernels, rms_norm_bf16
 from ingot.model_executor.layers.linear import default_weight_loader
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(KernelBindable, nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
@@ -17,9 +18,10 @@ class RMSNorm(nn.Module):
         self.weight.weight_loader = default_weight_loader
         self.cpu_kernels: CpuKernels | None = None  # one C call instead of nine ops (bf16)
 
-    def attach_cpu_kernels(self, kernels: CpuKernels) -> None:
+    def bind_kernels(self, kernels: Kernels) -> bool:
         if self.weight.dtype == torch.bfloat16:
-            self.cpu_kernels = kernels
+            self.cpu_kernels = kernels.dense_bf16
+        return self.cpu_kernels is not None
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None

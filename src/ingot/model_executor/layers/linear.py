@@ -13,9 +13,7 @@ same packed kernels, no collective.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -25,6 +23,7 @@ from ingot.distributed.group import GroupCoordinator
 from ingot.distributed.layouts import kv_head_start, kv_heads_per_rank
 from ingot.distributed.parallel_state import get_tp_group
 from ingot.distributed.sequence_parallel import reduce_partial
+from ingot.model_executor.layers.bindable import KernelBindable, Kernels
 from ingot.model_executor.layers.cpu_kernels import (
     GEMV_MAX_ROWS,
     GEMV_MAX_ROWS_BESIDE_GEMM,
@@ -32,7 +31,6 @@ from ingot.model_executor.layers.cpu_kernels import (
     gemm_bf16,
     gemm_preferred,
     gemv_bf16,
-    load_cpu_kernels,
     pack_gemm_weight,
     pack_gemv_weight,
 )
@@ -62,14 +60,14 @@ def cpu_packed_linear_supported(dtype: torch.dtype, device: torch.device) -> boo
     )
 
 
-class LinearBase(nn.Module):
+class LinearBase(KernelBindable, nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
-        # Derived copies of ``weight`` (never saved or loaded), made by pack_weight: ingot's
+        # Derived copies of ``weight`` (never saved or loaded), made at binding: ingot's
         # GEMV layout for a few rows, and for more rows either ingot's GEMM layout (CPUs
         # without AMX) or oneDNN's blocked one.
         self.cpu_kernels: CpuKernels | None = None
@@ -77,6 +75,17 @@ class LinearBase(nn.Module):
         self.gemm_weight: torch.Tensor | None = None
         self.packed_weight: torch.Tensor | None = None
         self.bias_f32: torch.Tensor | None = None
+
+    def bind_kernels(self, kernels: Kernels) -> bool:
+        """Pack the weight as ``kernels.pack`` says (``pack_weight``, with ingot's layouts where
+        its bf16 library loaded and the weight is contiguous; ``pack_f32_weight`` for float32
+        weights); returns whether ingot's GEMV serves this linear."""
+        if kernels.pack == "bf16":
+            self.pack_weight(kernels.dense_bf16 if self.weight.is_contiguous() else None,
+                             kernels.keep_plain)
+        elif kernels.pack == "f32" and self.weight.dtype == torch.float32:
+            self.pack_f32_weight()
+        return self.cpu_kernels is not None
 
     def pack_weight(self, kernels: CpuKernels | None = None, keep_plain: bool = False) -> None:
         """Re-lay the weight out once, after loading. Without ingot's kernels: oneDNN's packed
@@ -104,7 +113,7 @@ class LinearBase(nn.Module):
 
     def pack_f32_weight(self) -> None:
         """oneDNN's packed copy of a float32 weight, in the plain weight's place (forward and
-        ``matmul`` run it); see ``pack_f32_linears``."""
+        ``matmul`` run it); see ``binding.select_kernels``."""
         weight = self.weight.detach()
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)
         if not getattr(self.weight, "shared", False):
@@ -117,10 +126,12 @@ class LinearBase(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, None, "none", [], "")
         return torch.mm(x, self.weight.t())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kernel_rows: int = 0) -> torch.Tensor:
+        """``kernel_rows``: the rows to choose the kernel by (the step's
+        ``AttentionMetadata.kernel_rows``; 0: ``x``'s own)."""
         if self.cpu_kernels is not None and self.gemv_weight is not None:
             rows = x.numel() // self.input_size
-            if gemv_applies(rows, self.gemm_weight is not None):
+            if gemv_applies(kernel_rows or rows, self.gemm_weight is not None):
                 y = gemv_bf16(self.cpu_kernels, x.reshape(rows, -1), self.gemv_weight,
                               self.output_size, self.bias_f32)
                 return y.view(*x.shape[:-1], self.output_size)
@@ -153,29 +164,14 @@ def load_into(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor,
     return name
 
 
-_kernel_rows = threading.local()
-
-
-@contextmanager
-def kernel_rows(rows: int) -> Iterator[None]:
-    """Inside, linear layers choose their kernel as for a batch of ``rows`` rows (0: their
-    input's own). A verification step of speculative decoding computes 1 + d rows per request
-    with the kernels a plain decode of its requests would use, so its greedy tokens are
-    decoding's bit for bit (ingot's GEMV gives every row the same result whatever the row
-    count; oneDNN's kernels differ from it)."""
-    previous = getattr(_kernel_rows, "rows", 0)
-    _kernel_rows.rows = rows
-    try:
-        yield
-    finally:
-        _kernel_rows.rows = previous
-
-
 def gemv_applies(rows: int, beside_gemm: bool) -> bool:
     """ingot's GEMV kernel serves a bf16 linear of ``rows`` rows (else ingot's GEMM where the
-    linear holds its layout, ``beside_gemm``, or oneDNN)."""
+    linear holds its layout, ``beside_gemm``, or oneDNN). A verification step of speculative
+    decoding passes the rows of a plain decode of its requests (``AttentionMetadata.
+    kernel_rows``), so that its greedy tokens are decoding's bit for bit (ingot's GEMV gives
+    every row the same result whatever the row count; oneDNN's kernels differ from it)."""
     limit = GEMV_MAX_ROWS_BESIDE_GEMM if beside_gemm else GEMV_MAX_ROWS
-    return (getattr(_kernel_rows, "rows", 0) or rows) <= limit
+    return rows <= limit
 
 
 def runs_onednn_linears(model: nn.Module) -> bool:
@@ -183,42 +179,6 @@ def runs_onednn_linears(model: nn.Module) -> bool:
     (just in time) for each new input shape on first use: the eager warmup exists for them.
     ingot's GEMV/GEMM and MKL's float32 GEMM (plain weights) build nothing per shape."""
     return any(isinstance(m, LinearBase) and m.packed_weight is not None for m in model.modules())
-
-
-def pack_linear_weights(model: nn.Module, keep_plain: bool = False) -> int:
-    """Pack every linear layer of ``model`` for oneDNN, and hand ingot's CPU kernels (when
-    they build here) to the linears and to every module with an ``attach_cpu_kernels(kernels)``
-    method (norms, MLP, attention); returns how many linears were packed. ``keep_plain``: see
-    ``LinearBase.pack_weight``."""
-    kernels = load_cpu_kernels()
-    # A parameter another module also holds (tied embeddings) must keep its plain values.
-    seen: set[int] = set()
-    for module in model.modules():
-        for param in module.parameters(recurse=False):
-            if id(param) in seen:
-                param.shared = True
-            seen.add(id(param))
-    count = 0
-    for module in model.modules():
-        if isinstance(module, LinearBase):
-            module.pack_weight(kernels if module.weight.is_contiguous() else None, keep_plain)
-            count += 1
-        elif kernels is not None and hasattr(module, "attach_cpu_kernels"):
-            module.attach_cpu_kernels(kernels)
-    return count
-
-
-def pack_f32_linears(model: nn.Module) -> int:
-    """Pack every float32 linear of ``model`` for oneDNN (``onednn_f32_preferred``); returns how
-    many. Only models that declare ``packs_f32_linears`` take it: it is measured on encoders'
-    shapes, and decoders' fp32 paths (greedy equality batched and alone, the decode program's
-    buffers) have not been checked with oneDNN's row-count-dependent kernels."""
-    count = 0
-    for module in model.modules():
-        if isinstance(module, LinearBase) and module.weight.dtype == torch.float32:
-            module.pack_f32_weight()
-            count += 1
-    return count
 
 
 class ReplicatedLinear(LinearBase):
@@ -331,9 +291,9 @@ class RowParallelLinear(LinearBase):
         else:
             default_weight_loader(param, torch.zeros_like(loaded_weight))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kernel_rows: int = 0) -> torch.Tensor:
         # All-reduced; in a sequence-parallel prefill reduce-scattered to this rank's rows.
-        return reduce_partial(super().forward(x), self.tp_group)
+        return reduce_partial(super().forward(x, kernel_rows), self.tp_group)
 
 
 class MergedColumnParallelLinear(MergedLinear):

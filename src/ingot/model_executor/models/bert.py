@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ingot.model_executor.layers.attention import AttentionMetadata, encoder_attention
+from ingot.model_executor.layers.bindable import KernelBindable, Kernels
 from ingot.model_executor.layers.cpu_kernels import (
     F32Kernels,
     add_layernorm_f32,
@@ -61,21 +62,22 @@ def _layer_norm(size: int, eps: float) -> nn.LayerNorm:
     return norm
 
 
-class _FusedEpilogue(nn.Module):
+class _FusedEpilogue(KernelBindable, nn.Module):
     """A BERT block whose linear can run without its bias (``LinearBase.matmul``) and hand the bias to
     one of ingot's fp32 CPU kernels with what follows it (GELU, or the residual add and
     LayerNorm): torch's addmm would first copy the bias into the output, then the add, the norm
     and GELU would each sweep the activations again. Measured at one thread: those passes were
     ~15% of an encoder step, beside ~80% in the GEMMs. Whether the kernels apply is decided
-    once, at load (``bind_cpu_kernels``), from the weights this block holds."""
+    once, at binding (after this block's linear packed), from the weights this block holds."""
 
     cpu_kernels: F32Kernels | None = None
 
-    def bind_f32_kernels(self, kernels: F32Kernels | None) -> bool:
+    def bind_kernels(self, kernels: Kernels) -> bool:
         weight = self._kernel_weight()
-        applies = (kernels is not None and weight.dtype == torch.float32
+        lib = kernels.f32
+        applies = (lib is not None and weight.dtype == torch.float32
                    and weight.device.type == "cpu" and self._kernel_applies())
-        self.cpu_kernels = kernels if applies else None
+        self.cpu_kernels = lib if applies else None
         return applies
 
     def _kernel_weight(self) -> torch.Tensor:

@@ -82,7 +82,7 @@ class Eagle3DecoderLayer(nn.Module):
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(state)], dim=-1)
         h = self.self_attn(positions, x, kv_cache, meta)
         h, residual = self.post_attention_layernorm(h, state)
-        return self.mlp(h), residual
+        return self.mlp(h, meta), residual
 
 
 class Eagle3LlamaForCausalLM(nn.Module):
@@ -119,13 +119,13 @@ class Eagle3LlamaForCausalLM(nn.Module):
         """``state``: [T, 3 x target hidden] (initial pass) or [T, hidden] (recurrent).
         Returns (normed output, pre-norm output = the next state)."""
         if state.shape[-1] != self.config.hidden_size:
-            state = self.fc(state)
+            state = self.fc(state, meta.kernel_rows)
         h, residual = self.layer(positions, self.embed_tokens(input_ids), state, kv_caches[0],
                                  meta)
         return self.norm(h, residual)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, kernel_rows: int = 0) -> torch.Tensor:
+        return self.lm_head(hidden, kernel_rows)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

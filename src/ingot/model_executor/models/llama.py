@@ -30,7 +30,13 @@ from torch.nn import functional as F
 from ingot.distributed.parallel_state import get_sequence_parallel, get_tp_group
 from ingot.distributed.sequence_parallel import gather_tokens, local_tokens, sequence_parallel
 from ingot.model_executor.layers.attention import AttentionMetadata, KVScales
-from ingot.model_executor.layers.attention_backend import TORCH_ATTENTION, AttentionBackend
+from ingot.model_executor.layers.attention_backend import (
+    TORCH_ATTENTION,
+    AttentionBackend,
+    AttentionBindable,
+    RunsDecodeProgram,
+)
+from ingot.model_executor.layers.bindable import KernelBindable, Kernels
 from ingot.model_executor.layers.cpu_kernels import CpuKernels, silu_mul_bf16
 from ingot.model_executor.layers.layernorm import RMSNorm
 from ingot.model_executor.layers.linear import (
@@ -47,7 +53,7 @@ def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-class DecoderAttention(nn.Module):
+class DecoderAttention(AttentionBindable, nn.Module):
     def __init__(
         self, config: Any, rotary: RotaryEmbedding, qk_norm: bool, biases: tuple[bool, bool],
         qkv_input_size: int | None = None,
@@ -75,8 +81,11 @@ class DecoderAttention(nn.Module):
         self.sliding_window: int | None = None
         self.kv_scales = KVScales()
         # How attention runs: chosen once for the model (layers/attention_backend.py); plain
-        # torch until the worker binds the chosen one.
+        # torch until binding hands over the chosen one.
         self.attn_backend: AttentionBackend = TORCH_ATTENTION
+
+    def bind_attention(self, backend: AttentionBackend) -> None:
+        self.attn_backend = backend
 
     def forward(
         self,
@@ -85,7 +94,7 @@ class DecoderAttention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
+        qkv = self.qkv_proj(hidden, meta.kernel_rows)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -94,10 +103,10 @@ class DecoderAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         out = self.attn_backend.attend(self, positions, q, k, v, kv_cache, meta)
-        return self.o_proj(out)
+        return self.o_proj(out, meta.kernel_rows)
 
 
-class DecoderMLP(nn.Module):
+class DecoderMLP(KernelBindable, nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
@@ -109,15 +118,18 @@ class DecoderMLP(nn.Module):
             raise ValueError(f"hidden_act {act!r} is not supported; only 'silu' is")
         self.cpu_kernels: CpuKernels | None = None  # silu(gate) * up in one C call (bf16)
 
-    def attach_cpu_kernels(self, kernels: CpuKernels) -> None:
-        self.cpu_kernels = kernels
+    def bind_kernels(self, kernels: Kernels) -> bool:
+        self.cpu_kernels = kernels.dense_bf16
+        return self.cpu_kernels is not None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
+        """``meta``: the step's metadata (its ``kernel_rows`` choose the linears' kernels)."""
+        rows = meta.kernel_rows if meta is not None else 0
+        gate_up = self.gate_up_proj(x, rows)
         if self.cpu_kernels is not None and gate_up.dtype == torch.bfloat16 and gate_up.dim() == 2:
-            return self.down_proj(silu_mul_bf16(self.cpu_kernels, gate_up))
+            return self.down_proj(silu_mul_bf16(self.cpu_kernels, gate_up), rows)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate) * up, rows)
 
 
 class DecoderLayer(nn.Module):
@@ -150,7 +162,7 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, gather_tokens(hidden), kv_cache, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(gather_tokens(hidden)), residual
+        return self.mlp(gather_tokens(hidden), meta), residual
 
 
 class DecoderModel(nn.Module):
@@ -210,7 +222,7 @@ class DecoderModel(nn.Module):
     aux_hidden_states: torch.Tensor | None = None
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(RunsDecodeProgram, nn.Module):
     """Also serves MistralForCausalLM; subclasses switch on Qwen's differences."""
 
     qk_norm = False
@@ -234,7 +246,7 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.sliding_window = window
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # The attention backend's program for whole decode steps (CpuDecodeProgram), when the
-        # backend bound to the model has one (bind_attention_backend).
+        # backend bound to the model has one (model_executor/binding.py).
         self.decode_program: Any = None
         self.tp_size = get_tp_group().world_size
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
@@ -273,9 +285,10 @@ class LlamaForCausalLM(nn.Module):
             return program.forward(input_ids, positions, kv_caches, meta)
         return self.model(input_ids, positions, kv_caches, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits over the whole vocabulary (gathered from the shards under TP)."""
-        return self.lm_head.gather(self.lm_head(hidden))
+    def compute_logits(self, hidden: torch.Tensor, kernel_rows: int = 0) -> torch.Tensor:
+        """Logits over the whole vocabulary (gathered from the shards under TP).
+        ``kernel_rows``: the rows the head chooses its kernel by (0: ``hidden``'s own)."""
+        return self.lm_head.gather(self.lm_head(hidden, kernel_rows))
 
     def greedy_token_ids(self, hidden: torch.Tensor) -> torch.Tensor:
         """argmax of ``compute_logits(hidden)`` without gathering the logits (TP)."""

@@ -1,0 +1,109 @@
+"""The binding step: after loading, one walk over the model gives each layer its kernels and
+every attention layer the attention backend, so that no forward decides again which kernel
+applies.
+
+What is chosen stays where it is chosen: :func:`select_kernels` decides how the linears are
+packed and on which CPU ingot's libraries are offered (each library picks its own ISA when it
+loads, a packed linear GEMV or GEMM by its row count), :func:`~ingot.model_executor.layers.
+attention_backend.select_attention_backend` picks the backend. :func:`bind` only hands the
+results out, through typed interfaces: ``KernelBindable`` (layers/bindable.py),
+``AttentionBindable`` and ``RunsDecodeProgram`` (layers/attention_backend.py).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ingot.model_executor.layers.attention_backend import (
+    AttentionBackend,
+    AttentionBindable,
+    RunsDecodeProgram,
+)
+from ingot.model_executor.layers.bindable import KernelBindable, Kernels
+from ingot.model_executor.layers.cpu_kernels import onednn_f32_preferred
+from ingot.model_executor.layers.linear import cpu_packed_linear_supported
+
+
+def select_kernels(model: nn.Module, dtype: torch.dtype, device: torch.device,
+                   keep_plain: bool = False) -> Kernels:
+    """ingot's CPU kernels for ``model`` (loaded in ``dtype`` on ``device``). Linears pack for
+    oneDNN's bf16 linear where this CPU has it (and ingot's layouts beside it); an encoder's
+    float32 linears (models that declare ``packs_f32_linears``) pack for oneDNN's float32
+    linear where it beats MKL (``onednn_f32_preferred``), never beside plain weights kept for
+    compilation. ``INGOT_DISABLE_PACKED_LINEAR`` keeps every linear plain. ``keep_plain``: the
+    layers will be compiled and run on their plain weights."""
+    if device.type != "cpu":
+        return Kernels()
+    packing = not os.environ.get("INGOT_DISABLE_PACKED_LINEAR")
+    pack = None
+    if packing and cpu_packed_linear_supported(dtype, device):
+        pack = "bf16"
+    elif (packing and dtype == torch.float32 and not keep_plain
+          and getattr(model, "packs_f32_linears", False) and onednn_f32_preferred()):
+        pack = "f32"
+    return Kernels(cpu=True, pack=pack, keep_plain=keep_plain)
+
+
+@dataclass
+class Bound:
+    """What :func:`bind` did."""
+
+    #: Layers that run any of ingot's kernels.
+    kernel_layers: int
+    #: The model's decode program (None: the backend has none for it, or the model runs none).
+    decode_program: Any
+
+
+def _post_order(module: nn.Module, seen: set[int] | None = None) -> Iterator[nn.Module]:
+    # A block binds after its parts: its choice may read how they packed their weights. Each
+    # module once, as ``modules()`` gives them (a module may have several parents).
+    seen = set() if seen is None else seen
+    seen.add(id(module))
+    for child in module.children():
+        if id(child) not in seen:
+            yield from _post_order(child, seen)
+    yield module
+
+
+def _mark_shared_parameters(model: nn.Module) -> None:
+    # A parameter another module also holds (a tied LM head is the embedding's table) must keep
+    # its plain values when its linear packs.
+    seen: set[int] = set()
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if id(param) in seen:
+                param.shared = True
+            seen.add(id(param))
+
+
+def bind(model: nn.Module, backend: AttentionBackend, kernels: Kernels) -> Bound:
+    """Give every layer of ``model`` its share of ``kernels`` (linears pack their weights for
+    them) and every attention layer ``backend``; then the model its decode program, built from
+    the bound layers. Once per model, after loading."""
+    if kernels.pack is not None:
+        _mark_shared_parameters(model)
+    taken = 0
+    for module in _post_order(model):
+        if isinstance(module, KernelBindable):
+            taken += bool(module.bind_kernels(kernels))
+        if isinstance(module, AttentionBindable):
+            module.bind_attention(backend)
+    program = None
+    if isinstance(model, RunsDecodeProgram):
+        program = model.decode_program = backend.decode_program(model)
+    return Bound(taken, program)
+
+
+def attention_heads(model: nn.Module) -> tuple[int, int, int] | None:
+    """(query heads, KV heads, head dim) of ``model``'s attention layers on this rank; None for
+    a model without an attention layer that a backend runs (an encoder)."""
+    for module in model.modules():
+        if isinstance(module, AttentionBindable):
+            return module.num_heads, module.num_kv_heads, module.head_dim
+    return None
