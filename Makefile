@@ -45,8 +45,9 @@ lint: install
 	$(VENV)/bin/lint-imports
 
 # `make compare`: ingot against vLLM's CPU backend (the peer, installed by
-# ../shared/bench/vllm_peer.sh) on the shared workloads; rewrites the comparison section of
-# docs/PERFORMANCE.md and docs/throughput_vs_batch.png. Takes many minutes; narrow it with e.g.
+# ../shared/bench/vllm_peer.sh) on the shared workloads; rewrites this CPU kind's comparison
+# block of docs/PERFORMANCE.md and docs/throughput_vs_batch_<kind>.png (other kinds' stay as they
+# are). Takes many minutes; narrow it with e.g.
 # `make compare COMPARE_ARGS="--workloads single,prefill"`, or `COMPARE_ARGS=--dry-run`.
 COMPARE_ARGS ?=
 

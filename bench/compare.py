@@ -4,8 +4,10 @@ Each workload runs in fresh processes, interleaved: ingot, then the peer at each
 (vLLM's default, which keeps one core for its engine loop, and OMP_NUM_THREADS=2), then the
 next workload, so machine noise lands on both engines alike. The peer's better setting is
 reported per workload, and named. Then the memory-bandwidth bound (bench/membw.py) and a
-section of docs/PERFORMANCE.md between the compare markers (other sections survive), plus
-docs/throughput_vs_batch.png.
+block of docs/PERFORMANCE.md between this CPU kind's markers for the condition (e.g.
+``<!-- compare:xeon-avx512bf16:start -->``; other kinds' blocks and other sections survive),
+plus docs/throughput_vs_batch_<kind>.png. The kind comes from /proc/cpuinfo (``cpu_kind``);
+a first run on a new kind adds its block to that kind's section, or adds the section.
 
     .venv/bin/python bench/compare.py                          # everything (many minutes)
     .venv/bin/python bench/compare.py --workloads single,prefill
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import functools
 import json
 import os
 import platform
@@ -43,11 +46,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED_BENCH = ROOT.parent / "shared" / "bench"
 DEFAULT_PEER_PYTHON = Path.home() / ".cache" / "ingot-peer" / "vllm" / "bin" / "python"
 DEFAULT_MODEL_DIR = Path.home() / ".cache" / "ingot" / "smollm2-hf"
-START, END = "<!-- compare:start -->", "<!-- compare:end -->"
 # --contend N: the same comparison with N CPU-bound competitors beside each engine (issue #21),
-# in its own section, so the quiet one survives, and with its own targets; --cpu-limit likewise
-# (one section per kind of limit).
-CONTEND_START, CONTEND_END = "<!-- compare-contend:start -->", "<!-- compare-contend:end -->"
+# in its own block, so the quiet one survives, and with its own targets; --cpu-limit likewise
+# (one block per kind of limit). Every block is also per CPU kind (see cpu_kind).
 CONTEND_TARGETS = {"offline": 1.3, "single": 1.5}
 LIMIT_TARGETS = {"single": 1.3}
 WORKLOADS = ("offline", "single", "prefill", "sweep")
@@ -80,11 +81,16 @@ class Condition:
             parse_cpu_limit(self.cpu_limit)
 
     @property
-    def markers(self) -> tuple[str, str]:
+    def name(self) -> str:
+        """The condition's part of a marker: compare, compare-contend, compare-limit-KIND."""
         if self.cpu_limit:
-            kind = parse_cpu_limit(self.cpu_limit).kind
-            return f"<!-- compare-limit-{kind}:start -->", f"<!-- compare-limit-{kind}:end -->"
-        return (CONTEND_START, CONTEND_END) if self.contend else (START, END)
+            return f"compare-limit-{parse_cpu_limit(self.cpu_limit).kind}"
+        return "compare-contend" if self.contend else "compare"
+
+    def markers(self, cpu: str) -> tuple[str, str]:
+        """Start and end markers of this condition's block for CPU kind slug ``cpu``: a run
+        replaces only its own kind's block, since figures from another CPU are not comparable."""
+        return f"<!-- {self.name}:{cpu}:start -->", f"<!-- {self.name}:{cpu}:end -->"
 
     def target(self, workload: str) -> float | None:
         if self.cpu_limit:
@@ -118,11 +124,11 @@ class Condition:
             return f"# beside {self.contend} x python3 -c 'while True: pass'\n"
         return ""
 
-    @property
-    def plot_name(self) -> str:
+    def plot_name(self, cpu: str) -> str:
+        """The sweep plot's file name, per CPU kind like the block that shows it."""
         if self.cpu_limit:
-            return f"throughput_vs_batch_{parse_cpu_limit(self.cpu_limit).kind}.png"
-        return "throughput_vs_batch_contended.png" if self.contend else "throughput_vs_batch.png"
+            return f"throughput_vs_batch_{cpu}_{parse_cpu_limit(self.cpu_limit).kind}.png"
+        return f"throughput_vs_batch_{cpu}" + ("_contended" if self.contend else "") + ".png"
 
 
 QUIET = Condition()
@@ -213,9 +219,79 @@ def advantage(ingot: float, peer: float, higher_is_better: bool) -> float:
 
 # ---- report ------------------------------------------------------------------------------
 
+@functools.cache
+def _proc_cpuinfo() -> str:
+    """/proc/cpuinfo, read once per process (the kind and the machine line both use it)."""
+    path = Path("/proc/cpuinfo")
+    return path.read_text() if path.exists() else ""
+
+
+# The best ISA a CPU offers ingot's kernels, best first: (slug part, flags that must all be
+# present, words for a section title). AMX implies AVX-512 BF16 on every CPU that has it.
+_ISAS: tuple[tuple[str, frozenset[str], str], ...] = (
+    ("amx", frozenset({"amx_tile", "amx_bf16"}), "AVX-512 BF16 and AMX"),
+    ("avx512bf16", frozenset({"avx512_bf16"}), "AVX-512 BF16, no AMX"),
+    ("avx512", frozenset({"avx512f"}), "AVX-512, no BF16"),
+    ("avx2", frozenset({"avx2"}), "AVX2, no AVX-512"),
+    ("sve", frozenset({"sve"}), "SVE"),
+    ("neon", frozenset({"asimd"}), "NEON"),
+)
+_GENERIC_ISA = ("generic", "no AVX2")
+_FAMILIES = {"xeon": "Intel Xeon", "intel": "Intel", "epyc": "AMD EPYC", "amd": "AMD",
+             "arm": "Arm"}
+_SLUG = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*")
+
+
+@dataclass(frozen=True)
+class CpuKind:
+    """Which CPU a comparison ran on, as docs/PERFORMANCE.md groups its figures."""
+
+    slug: str  # in the block's markers and the plot's name, e.g. xeon-avx512bf16
+    title: str  # the ``##`` heading of the section a first run on this kind creates
+
+
+def cpu_kind(cpuinfo: str | None = None) -> CpuKind:
+    """The CPU kind: family (vendor, and Xeon/EPYC from the model name) + the best ISA in the
+    flags. The project's machines map to ``xeon-amx`` (Xeon with AMX), ``xeon-avx512bf16``
+    (Xeon with AVX-512 BF16, no AMX) and ``epyc-avx2`` (EPYC Zen 3: AVX2 + FMA); any other CPU
+    gets the same rule's slug from its vendor and best ISA (``intel-avx2``, ``amd-avx512bf16``,
+    ``arm-neon``, ``<vendor_id>-generic``), so the mapping lives here and nowhere else."""
+    text = _proc_cpuinfo() if cpuinfo is None else cpuinfo
+    vendor_m = re.search(r"^vendor_id\s*:\s*(\S+)", text, re.M)
+    model_m = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
+    flags_m = re.search(r"^(?:flags|Features)\s*:\s*(.*)$", text, re.M)  # x86 | Arm
+    vendor = vendor_m.group(1) if vendor_m else ""
+    model = model_m.group(1).lower() if model_m else ""
+    flags = set(flags_m.group(1).split()) if flags_m else set()
+    if vendor == "GenuineIntel":
+        family = "xeon" if "xeon" in model else "intel"
+    elif vendor == "AuthenticAMD":
+        family = "epyc" if "epyc" in model else "amd"
+    elif re.search(r"^CPU implementer\s*:", text, re.M):
+        family = "arm"
+    else:
+        family = re.sub(r"[^a-z0-9]+", "", vendor.lower()) or re.sub(
+            r"[^a-z0-9]+", "", platform.machine().lower()) or "cpu"
+    isa, isa_title = next(((name, title) for name, needs, title in _ISAS if needs <= flags),
+                          _GENERIC_ISA)
+    return CpuKind(f"{family}-{isa}", f"{_FAMILIES.get(family, vendor or family)}, {isa_title}")
+
+
+def cpu_kind_from_slug(slug: str) -> CpuKind:
+    """``--cpu-kind SLUG``: a kind named by hand, titled as cpu_kind would title it."""
+    if not _SLUG.fullmatch(slug):
+        raise ValueError(f"a CPU kind is lower-case words joined by '-', not {slug!r}")
+    family, _, isa = slug.rpartition("-")
+    titles = dict((name, title) for name, _needs, title in _ISAS)
+    titles[_GENERIC_ISA[0]] = _GENERIC_ISA[1]
+    if family and isa in titles:
+        return CpuKind(slug, f"{_FAMILIES.get(family, family)}, {titles[isa]}")
+    return CpuKind(slug, slug)
+
+
 def machine_info(cpuinfo: str | None = None, meminfo: str | None = None) -> dict[str, Any]:
     if cpuinfo is None:
-        cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+        cpuinfo = _proc_cpuinfo()
     if meminfo is None:
         meminfo = Path("/proc/meminfo").read_text() if Path("/proc/meminfo").exists() else ""
     model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)
@@ -225,9 +301,10 @@ def machine_info(cpuinfo: str | None = None, meminfo: str | None = None) -> dict
     return {
         "cpu": model.group(1).strip() if model else platform.processor() or "unknown",
         "cores": len(re.findall(r"^processor\s*:", cpuinfo, re.M)) or os.cpu_count(),
-        "flags": [f for f in ("avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
-                  if f in flags],
+        "flags": [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16",
+                              "amx_int8") if f in flags],
         "mem_gib": round(int(mem.group(1)) / 2**20, 1) if mem else None,
+        "kind": cpu_kind(cpuinfo).slug,
     }
 
 
@@ -241,16 +318,20 @@ def render_section(
     commands: Sequence[str],
     membw: Mapping[str, Any] | None,
     date: str,
-    plot_name: str | None = "throughput_vs_batch.png",
+    plot_name: str | None = None,
     notes: Sequence[str] = (),
     condition: Condition = QUIET,
+    cpu: str | None = None,
 ) -> str:
-    """The markdown between the condition's markers (the quiet comparison's by default)."""
+    """The markdown between the condition's markers (the quiet comparison's by default) for
+    CPU kind ``cpu`` (default: the machine's)."""
+    cpu = cpu or machine.get("kind") or cpu_kind().slug
     ingot = per_setting.get(INGOT, {})
     peers = [s for s in per_setting if s != INGOT]
-    title = "## ingot vs vLLM CPU backend" + condition.title()
+    # ###: the block sits inside its CPU kind's ## section of docs/PERFORMANCE.md.
+    title = "### ingot vs vLLM CPU backend" + condition.title()
     lines = [
-        condition.markers[0],
+        condition.markers(cpu)[0],
         title,
         "",
         f"`bench/compare.py`, {date}: the default model (SmolLM2-135M-Instruct) in bf16 on both "
@@ -331,9 +412,9 @@ def render_section(
                   "reports, so if that cache is really ours, decode can beat the DRAM bound; "
                   "the bound also leaves out the KV cache read (~23 KB per context token)."]
 
-    flags = ", ".join(machine.get("flags", [])) or "none of avx512f/avx512_bf16/amx"
+    flags = ", ".join(machine.get("flags", [])) or "none of avx2/avx512f/avx512_bf16/amx"
     lines += ["", f"Machine: {machine.get('cpu')}, {machine.get('cores')} cores, "
-              f"{machine.get('mem_gib')} GiB; flags: {flags}.", "",
+              f"{machine.get('mem_gib')} GiB; flags: {flags}; CPU kind `{cpu}`.", "",
               "Threads: ingot with its default (one per usable CPU, fewer while other processes "
               "use them); vLLM with its default "
               "(it lowers torch to one thread and keeps the other core for its engine loop) and "
@@ -342,21 +423,72 @@ def render_section(
         lines += ["", f"Note: {n}"]
     lines += ["", "Reproduce (what this run executed, in order):", "", "```bash"]
     lines += list(commands)
-    lines += ["```", condition.markers[1]]
+    lines += ["```", condition.markers(cpu)[1]]
     return "\n".join(lines) + "\n"
 
 
-def splice_section(doc: str, section: str) -> str:
-    """Replace the text between the section's markers (markers included), or append it; the
-    section's first line is its start marker (``<!-- NAME:start -->``: which comparison)."""
+_START_MARKER = re.compile(r"<!-- (compare[a-z-]*):([a-z0-9]+(?:-[a-z0-9]+)*):start -->")
+_KIND_ANCHOR = re.compile(r"<!-- cpu-kind:[a-z0-9-]+ -->")
+
+
+def kind_anchor(cpu: str) -> str:
+    """The comment under a CPU kind's ``##`` heading that says which kind the section is."""
+    return f"<!-- cpu-kind:{cpu} -->"
+
+
+def _line_at(doc: str, line: str, after: int = 0) -> int:
+    """Offset of ``line`` standing alone on a line of ``doc`` (from ``after`` on), else -1:
+    prose that quotes a marker is not the marker."""
+    m = re.compile(rf"^{re.escape(line)}$", re.M).search(doc, after)
+    return m.start() if m else -1
+
+
+def _section_end(doc: str, pos: int) -> int:
+    """Offset of the first ``#`` or ``##`` heading after the line holding ``pos`` (code fences
+    skipped: a report's commands may start with ``#``), else the end of ``doc``."""
+    newline = doc.find("\n", pos)
+    offset = len(doc) if newline == -1 else newline + 1
+    fenced = False
+    for line in doc[offset:].splitlines(keepends=True):
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and re.match(r"#{1,2} ", line):
+            return offset
+        offset += len(line)
+    return len(doc)
+
+
+def splice_section(doc: str, section: str, title: str | None = None) -> str:
+    """Put a report block into ``doc``. Its first line is its start marker,
+    ``<!-- NAME:KIND:start -->`` (which comparison, which CPU kind). The block replaces the
+    same markers' block if there is one; else it goes at the end of its kind's section (the
+    one holding ``kind_anchor(KIND)``); else into a new ``## title`` section after the last
+    kind's section (or at the end). Nothing else in ``doc`` changes, so other kinds' blocks
+    stay byte-identical."""
     begin = section.split("\n", 1)[0].strip()
-    if not (begin.startswith("<!-- ") and begin.endswith(":start -->")):
-        raise ValueError(f"a report section starts with its marker, not {begin!r}")
+    m = _START_MARKER.fullmatch(begin)
+    if not m:
+        raise ValueError(f"a report section starts with its marker (<!-- NAME:KIND:start -->), "
+                         f"not {begin!r}")
     finish = begin.replace(":start -->", ":end -->")
-    start, end = doc.find(begin), doc.find(finish)
-    if start != -1 and end > start:
-        return doc[:start] + section.rstrip("\n") + doc[end + len(finish):]
-    return doc.rstrip("\n") + "\n\n" + section
+    block = section.rstrip("\n")
+    start = _line_at(doc, begin)
+    if start != -1:
+        end = _line_at(doc, finish, start)
+        if end == -1:  # a damaged page: appending would leave two start markers
+            raise ValueError(f"{begin} has no {finish} after it")
+        return doc[:start] + block + doc[end + len(finish):]
+    cpu = m.group(2)
+    at = _line_at(doc, kind_anchor(cpu))
+    if at == -1:  # a first run on this kind: its own section, beside the other kinds'
+        block = f"## {title or cpu}\n{kind_anchor(cpu)}\n\n{block}"
+        anchors = list(re.finditer(rf"^{_KIND_ANCHOR.pattern}$", doc, re.M))
+        if not anchors:
+            return doc.rstrip("\n") + "\n\n" + block + "\n"
+        at = anchors[-1].start()
+    cut = _section_end(doc, at)
+    head, tail = doc[:cut].rstrip("\n"), doc[cut:]
+    return head + "\n\n" + block + "\n" + ("\n" + tail if tail else "")
 
 
 def plot_sweep(per_setting: Mapping[str, Mapping[str, Any]], path: Path) -> bool:
@@ -543,16 +675,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "tree); the report goes to its own section")
     ap.add_argument("--note", action="append", default=[],
                     help="a line for the report's notes (repeatable)")
+    ap.add_argument("--cpu-kind", default=None, metavar="SLUG",
+                    help="file the report under this CPU kind (e.g. xeon-avx512bf16) instead of "
+                    "the one detected from /proc/cpuinfo; with --from-json, instead of the one "
+                    "the run recorded")
     args = ap.parse_args(argv)
     if args.contend < 0:
         ap.error("--contend must be 0 or a positive number of processes")
     try:
         condition = Condition(args.contend, args.cpu_limit)
+        forced_kind = cpu_kind_from_slug(args.cpu_kind) if args.cpu_kind else None
     except ValueError as e:
         ap.error(str(e))
     if args.from_json:
         return report_from_json(args.from_json, args.output or ROOT / "docs" / "PERFORMANCE.md",
-                                args.note, condition)
+                                args.note, condition, forced_kind)
+    kind = forced_kind or cpu_kind()
+    print(f"CPU kind: {kind.slug} ({kind.title})", flush=True)
 
     workloads = [w for w in args.workloads.split(",") if w]
     unknown = [w for w in workloads if w not in WORKLOADS]
@@ -615,8 +754,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     (log_dir / "results.json").write_text(json.dumps(
         {"runs": [asdict(r) for r in runs], "membw": membw, "commands": commands,
          "notes": notes, "date": _dt.date.today().isoformat(), "contend": args.contend,
-         "cpu_limit": args.cpu_limit}, indent=1, default=str))
-    write_report(runs, membw, commands, notes, output, _dt.date.today().isoformat(), condition)
+         "cpu_limit": args.cpu_limit, "cpu_kind": kind.slug, "cpu_kind_title": kind.title,
+         "machine": machine_info()},
+        indent=1, default=str))
+    write_report(runs, membw, commands, notes, output, _dt.date.today().isoformat(), condition,
+                 kind)
     print(f"logs in {log_dir}")
     return 0
 
@@ -630,25 +772,36 @@ def _loadavg() -> float | None:
 
 def write_report(runs: Sequence[Run], membw: Mapping[str, Any] | None, commands: Sequence[str],
                  notes: Sequence[str], output: Path, date: str,
-                 condition: Condition = QUIET) -> None:
-    """Splice the comparison section into ``output`` and draw the sweep plot beside it."""
+                 condition: Condition = QUIET, kind: CpuKind | None = None,
+                 machine: Mapping[str, Any] | None = None) -> None:
+    """Splice the comparison block into ``output`` under CPU kind ``kind`` and draw the sweep
+    plot beside it (kind and machine default to this machine's)."""
+    kind = kind or cpu_kind()
+    machine = machine or machine_info()
     per_setting = {s: summarize_setting([r for r in runs if r.setting == s])
                    for s in dict.fromkeys(r.setting for r in runs)}
-    plot_path = output.parent / condition.plot_name
+    plot_path = output.parent / condition.plot_name(kind.slug)
     has_plot = plot_sweep(per_setting, plot_path)
-    section = render_section(per_setting, machine_info(), commands, membw, date,
-                             plot_path.name if has_plot else None, notes, condition)
+    section = render_section(per_setting, machine, commands, membw, date,
+                             plot_path.name if has_plot else None, notes, condition, kind.slug)
     doc = output.read_text() if output.exists() else "# Performance\n"
-    output.write_text(splice_section(doc, section))
+    output.write_text(splice_section(doc, section, kind.title))
     print(section)
     print(f"wrote {output}" + (f" and {plot_path}" if has_plot else ""))
 
 
 def report_from_json(path: Path, output: Path, extra_notes: Sequence[str] = (),
-                     condition: Condition = QUIET) -> int:
+                     condition: Condition = QUIET, kind: CpuKind | None = None) -> int:
     """Rewrite the report from a saved results.json (older files lack commands and notes:
-    the commands are then the runs' own, in order)."""
+    the commands are then the runs' own, in order; and the CPU kind, which must then be
+    given, since the run may come from another machine than this one)."""
     data = json.loads(path.read_text())
+    if kind is None:
+        if not data.get("cpu_kind"):
+            print(f"error: {path} does not record its CPU kind; pass --cpu-kind SLUG (the "
+                  "machine it ran on)", file=sys.stderr)
+            return 2
+        kind = CpuKind(data["cpu_kind"], data.get("cpu_kind_title") or data["cpu_kind"])
     runs = [Run(**r) for r in data["runs"]]
     membw = data.get("membw")
     commands = data.get("commands") or (
@@ -657,7 +810,8 @@ def report_from_json(path: Path, output: Path, extra_notes: Sequence[str] = (),
     date = data.get("date") or _dt.date.fromtimestamp(path.stat().st_mtime).isoformat()
     if "contend" in data or "cpu_limit" in data:  # the run's own condition
         condition = Condition(data.get("contend") or 0, data.get("cpu_limit"))
-    write_report(runs, membw, commands, notes, output, date, condition)
+    # The run's own machine line where recorded: the rewrite may happen elsewhere.
+    write_report(runs, membw, commands, notes, output, date, condition, kind, data.get("machine"))
     return 0
 
 

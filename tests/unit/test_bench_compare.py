@@ -13,6 +13,7 @@ import pytest
 from ingot.benchmarks import workloads
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
+PERFORMANCE_MD = BENCH.parent / "docs" / "PERFORMANCE.md"
 
 
 def _load(name: str):
@@ -86,11 +87,17 @@ def test_render_section_table_targets_and_bound():
     membw_fig = {"read_gb_s": 10.0, "copy_gb_s": 9.0, "threads": 2.0, "buffer_gib": 2.0,
                  "weight_bytes": 269030016.0, "bound_tok_s": 37.2}
     machine = compare.machine_info(
-        "processor\t: 0\nmodel name\t: Test CPU\nflags\t\t: fpu avx512f avx512_bf16 amx_bf16\n"
-        "processor\t: 1\n", "MemTotal:       24576000 kB\n")
+        "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Test CPU\n"
+        "flags\t\t: fpu avx512f avx512_bf16 amx_bf16\nprocessor\t: 1\n",
+        "MemTotal:       24576000 kB\n")
     assert machine["cores"] == 2 and machine["flags"] == ["avx512f", "avx512_bf16", "amx_bf16"]
+    # not a Xeon by name, and amx_bf16 without amx_tile is not AMX: the fallback slug
+    assert machine["kind"] == "intel-avx512bf16"
     text = compare.render_section(_figures(), machine, ["make compare"], membw_fig, "2026-01-01")
-    assert text.startswith(compare.START) and text.rstrip().endswith(compare.END)
+    start, end = compare.QUIET.markers("intel-avx512bf16")
+    assert start == "<!-- compare:intel-avx512bf16:start -->"
+    assert text.startswith(start + "\n### ingot vs vLLM CPU backend\n")
+    assert text.rstrip().endswith(end)
     # offline 819.2 / 512.0 = 1.60x >= 1.5x; single 25.6 / 16 = 1.60x; prefill 0.5/0.6 = 0.83x.
     assert re.search(r"\| offline .*\| 819\.2 \| 512\.0 \(vLLM, OMP_NUM_THREADS=2\) \| 1\.60x "
                      r"\| >= 1\.5x \| yes \|", text)
@@ -102,28 +109,170 @@ def test_render_section_table_targets_and_bound():
     assert "| 64 | 640.0 | n/a | 320.0 | 2.00x |" in text
     assert "ingot: single-stream 25.6 tok/s = 69% of the bound (target >= 60%: met)" in text
     assert "Test CPU, 2 cores" in text and "avx512_bf16" in text
+    assert "CPU kind `intel-avx512bf16`" in text
     assert "```bash\nmake compare\n```" in text
 
 
+def _block(kind: str, body: str, condition=compare.QUIET) -> str:
+    start, end = condition.markers(kind)
+    return f"{start}\n### {body}\n\n{body} figures\n{end}\n"
+
+
+def _held(doc: str, kind: str, condition=compare.QUIET) -> str:
+    """The block of ``kind`` in ``doc``, markers included (what the next run would replace)."""
+    start, end = condition.markers(kind)
+    (held,) = re.findall(rf"^{re.escape(start)}$.*?^{re.escape(end)}$", doc, re.M | re.S)
+    return held
+
+
 def test_splice_section_keeps_other_sections():
+    start, end = compare.QUIET.markers("xeon-amx")
     doc = "# Performance\n\n## A\nkeep\n"
-    first = compare.splice_section(doc, f"{compare.START}\nold\n{compare.END}\n")
+    first = compare.splice_section(doc, f"{start}\nold\n{end}\n")
     assert first.startswith(doc.rstrip("\n")) and "old" in first
-    again = compare.splice_section(first + "\n## B\nalso kept\n",
-                                   f"{compare.START}\nnew\n{compare.END}\n")
+    again = compare.splice_section(first + "\n## B\nalso kept\n", f"{start}\nnew\n{end}\n")
     assert "old" not in again and "new" in again
     assert "## A\nkeep" in again and "## B\nalso kept" in again
-    assert again.count(compare.START) == 1
+    assert again.count(start) == 1
+
+
+def test_cpu_kind_slugs():
+    def info(vendor: str, model: str, flags: str) -> str:
+        return f"processor\t: 0\nvendor_id\t: {vendor}\nmodel name\t: {model}\nflags\t\t: {flags}\n"
+
+    x86 = "fpu sse2 avx fma avx2"
+    cases = {
+        # the project's machines
+        info("GenuineIntel", "Intel(R) Xeon(R) Processor",
+             f"{x86} avx512f avx512_bf16 avx512_fp16"): ("xeon-avx512bf16",
+                                                         "Intel Xeon, AVX-512 BF16, no AMX"),
+        info("GenuineIntel", "Intel(R) Xeon(R) Platinum 8480+",
+             f"{x86} avx512f avx512_bf16 amx_bf16 amx_tile amx_int8"): (
+                 "xeon-amx", "Intel Xeon, AVX-512 BF16 and AMX"),
+        info("AuthenticAMD", "AMD EPYC 7B13", x86): ("epyc-avx2", "AMD EPYC, AVX2, no AVX-512"),
+        # the fallback: vendor + best ISA
+        info("AuthenticAMD", "AMD Ryzen 9 7950X", f"{x86} avx512f avx512_bf16"): (
+            "amd-avx512bf16", "AMD, AVX-512 BF16, no AMX"),
+        info("GenuineIntel", "Intel(R) Core(TM) i7-8700", x86): ("intel-avx2",
+                                                                 "Intel, AVX2, no AVX-512"),
+        info("HygonGenuine", "Hygon C86 7185", "fpu sse2"): ("hygongenuine-generic",
+                                                             "HygonGenuine, no AVX2"),
+        "processor\t: 0\nFeatures\t: fp asimd sve\nCPU implementer\t: 0x41\n": ("arm-sve",
+                                                                                 "Arm, SVE"),
+    }
+    for cpuinfo, (slug, title) in cases.items():
+        assert compare.cpu_kind(cpuinfo) == compare.CpuKind(slug, title)
+        # --cpu-kind SLUG titles a kind as detection would (a vendor it does not know by name
+        # keeps its slug's spelling)
+        by_hand = compare.cpu_kind_from_slug(slug)
+        assert by_hand.slug == slug and by_hand.title.lower() == title.lower()
+    assert compare.cpu_kind_from_slug("my-box").title == "my-box"
+    with pytest.raises(ValueError, match="lower-case"):
+        compare.cpu_kind_from_slug("Xeon AMX")
+
+
+def test_markers_and_plots_are_per_cpu_kind():
+    taskset = compare.Condition(cpu_limit="taskset:0")
+    assert compare.Condition(contend=1).markers("epyc-avx2") == (
+        "<!-- compare-contend:epyc-avx2:start -->", "<!-- compare-contend:epyc-avx2:end -->")
+    assert taskset.markers("xeon-amx")[0] == "<!-- compare-limit-taskset:xeon-amx:start -->"
+    assert compare.QUIET.plot_name("xeon-amx") == "throughput_vs_batch_xeon-amx.png"
+    assert (compare.Condition(contend=1).plot_name("epyc-avx2")
+            == "throughput_vs_batch_epyc-avx2_contended.png")
+    assert taskset.plot_name("epyc-avx2") == "throughput_vs_batch_epyc-avx2_taskset.png"
+
+
+def _page(*sections: tuple[str, str, str]) -> str:
+    """A page like docs/PERFORMANCE.md: per kind a ## heading, its anchor, prose, blocks."""
+    doc = "# Performance\n\nIntro quoting `<!-- compare:xeon-amx:start -->` in prose.\n"
+    for kind, title, blocks in sections:
+        doc += f"\n## {title}\n{compare.kind_anchor(kind)}\nAbout {kind}.\n\n{blocks}"
+    return doc + "\n## How to reproduce\n\n```bash\n## not a heading\n```\n"
+
+
+def test_a_run_replaces_only_its_own_kinds_block():
+    a, b = "xeon-avx512bf16", "xeon-amx"
+    doc = _page((a, "Intel Xeon, no AMX", _block(a, "A old") + "\nA prose kept.\n"),
+                (b, "Intel Xeon, AMX", _block(b, "B old")))
+    held_b = _held(doc, b)
+    after = compare.splice_section(doc, _block(a, "A new"))
+    assert _held(after, b) == held_b  # kind B's block byte-identical
+    assert "A old" not in after and _held(after, a) == _block(a, "A new").rstrip("\n")
+    # and nothing else moved: undoing A's block gives the page back
+    assert after.replace(_held(after, a), _held(doc, a)) == doc
+    # the other conditions of kind A are their own blocks too
+    contend = compare.Condition(contend=1)
+    both = compare.splice_section(after, _block(a, "A contended", contend))
+    assert _held(both, a) == _held(after, a) and _held(both, b) == held_b
+    assert both.index(_held(both, a, contend)) < both.index("## Intel Xeon, AMX")
+
+
+def test_a_first_run_on_a_kind_never_touches_another_kinds_block():
+    """The broken twin of the test above: the page holds only kind B's block, and a run of
+    kind A must land in A's section (or a new one), never in B's block."""
+    a, b = "epyc-avx2", "xeon-amx"
+    doc = _page((b, "Intel Xeon, AMX", _block(b, "B old")), (a, "AMD EPYC", "EPYC prose.\n"))
+    held_b = _held(doc, b)
+    after = compare.splice_section(doc, _block(a, "A new"))
+    assert _held(after, b) == held_b
+    # at the end of A's section: after its prose, before the next ## heading
+    section_a = after[after.index("## AMD EPYC"):after.index("## How to reproduce")]
+    assert section_a.index("EPYC prose.") < section_a.index(_held(after, a))
+    assert after.replace(_held(after, a) + "\n\n", "") == doc
+    # a kind with no section yet gets one after the last kind's, before "How to reproduce"
+    new = compare.splice_section(after, _block("arm-sve", "C"), "Arm, SVE")
+    assert _held(new, b) == held_b and _held(new, a) == _held(after, a)
+    assert new.index("## AMD EPYC") < new.index("## Arm, SVE\n<!-- cpu-kind:arm-sve -->\n\n")
+    assert new.index(_held(new, "arm-sve")) < new.index("## How to reproduce")
+    # what the check catches: the same run filed under B's kind (as a kind-less marker did)
+    # does change B's block, and the pre-kind markers are refused rather than appended
+    wrong = compare.splice_section(doc, _block(b, "A new"))
+    assert _held(wrong, b) != held_b
+    with pytest.raises(ValueError, match="marker"):
+        compare.splice_section(doc, "<!-- compare:start -->\nA new\n<!-- compare:end -->\n")
+    # a start marker without its end: refused, not a second block
+    broken = doc.replace(compare.QUIET.markers(b)[1], "")
+    with pytest.raises(ValueError, match="no <!-- compare:xeon-amx:end -->"):
+        compare.splice_section(broken, _block(b, "B new"))
+
+
+def test_the_page_has_per_kind_markers_and_a_run_lands_in_its_own_section():
+    """docs/PERFORMANCE.md itself: every compare block is per kind, each kind's section has
+    its anchor, and a run on each kind changes only its own block."""
+    doc = PERFORMANCE_MD.read_text()
+    assert not re.search(r"<!-- compare[a-z-]*:(start|end) -->", doc)  # no kind-less markers
+    blocks = re.findall(r"^<!-- (compare[a-z-]*):([a-z0-9-]+):start -->$", doc, re.M)
+    assert ("compare", "xeon-avx512bf16") in blocks and ("compare", "xeon-amx") in blocks
+    conditions = {"compare": compare.QUIET, "compare-contend": compare.Condition(contend=1),
+                  "compare-limit-taskset": compare.Condition(cpu_limit="taskset:0"),
+                  "compare-limit-cgroup": compare.Condition(cpu_limit="cgroup:1")}
+    for kind in ("xeon-avx512bf16", "epyc-avx2", "xeon-amx"):
+        heading = re.search(rf"^## .*\n{re.escape(compare.kind_anchor(kind))}$", doc, re.M)
+        assert heading, kind
+        for name, cond in conditions.items():
+            after = compare.splice_section(doc, _block(kind, "fresh", cond))
+            for other, other_kind in blocks:
+                if (other, other_kind) != (name, kind):
+                    assert _held(after, other_kind, conditions[other]) == _held(
+                        doc, other_kind, conditions[other])
+            # inside the kind's own section
+            section_start = heading.start()
+            section_end = compare._section_end(after, section_start + len(heading.group(0)))
+            assert section_start < after.index(_held(after, kind, cond)) < section_end
+    assert "(throughput_vs_batch_xeon-amx.png)" in _held(doc, "xeon-amx")
+    assert (PERFORMANCE_MD.parent / "throughput_vs_batch_xeon-amx.png").exists()
 
 
 def test_dry_run_writes_report_and_plot(tmp_path):
     out = tmp_path / "PERF.md"
     rc = compare.main(["--dry-run", "--workloads", "single,sweep", "--log-dir", str(tmp_path),
-                       "--output", str(out)])
+                       "--output", str(out), "--cpu-kind", "epyc-avx2"])
     assert rc == 0
     text = out.read_text()
     assert "DRY RUN" in text and "| single (1 x 128 -> 128) |" in text
-    assert (tmp_path / "throughput_vs_batch.png").stat().st_size > 1000
+    assert "## AMD EPYC, AVX2, no AVX-512\n<!-- cpu-kind:epyc-avx2 -->" in text
+    assert (tmp_path / "throughput_vs_batch_epyc-avx2.png").stat().st_size > 1000
+    assert "(throughput_vs_batch_epyc-avx2.png)" in text
     # The saved results rewrite the same report, with an added note, without running anything.
     again = tmp_path / "again" / "PERF.md"
     again.parent.mkdir()
@@ -132,6 +281,15 @@ def test_dry_run_writes_report_and_plot(tmp_path):
     rewritten = again.read_text()
     assert "Note: rewritten" in rewritten
     assert rewritten.replace("\nNote: rewritten\n", "") == text
+    # results.json without a CPU kind (older runs): refused unless one is named
+    import json
+
+    old = json.loads((tmp_path / "results.json").read_text())
+    del old["cpu_kind"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert compare.main(["--from-json", str(tmp_path / "old.json"), "--output", str(again)]) == 2
+    assert compare.main(["--from-json", str(tmp_path / "old.json"), "--output", str(again),
+                         "--cpu-kind", "epyc-avx2"]) == 0
 
 
 def test_decode_weight_bytes():
@@ -162,16 +320,18 @@ def test_parse_batch_sizes():
 def test_contended_section_has_its_own_markers_and_targets():
     machine = {"cpu": "Test CPU", "cores": 2, "flags": [], "mem_gib": 1.0}
     text = compare.render_section(_figures(), machine, ["x"], None, "2026-01-01", None,
-                                  condition=compare.Condition(contend=1))
-    assert text.startswith(compare.CONTEND_START) and text.rstrip().endswith(compare.CONTEND_END)
+                                  condition=compare.Condition(contend=1), cpu="xeon-amx")
+    contend_start, contend_end = compare.Condition(contend=1).markers("xeon-amx")
+    assert text.startswith(contend_start) and text.rstrip().endswith(contend_end)
     assert "1 competing CPU-bound process" in text
     # the contention targets: single 1.60x against >= 1.5x, offline 1.60x against >= 1.3x
     assert re.search(r"\| single .*\| 1\.60x \| >= 1\.5x \| yes", text)
     assert re.search(r"\| offline .*\| 1\.60x \| >= 1\.3x \| yes", text)
-    quiet = compare.splice_section("# P\n", f"{compare.START}\nquiet\n{compare.END}\n")
+    start, end = compare.QUIET.markers("xeon-amx")
+    quiet = compare.splice_section("# P\n", f"{start}\nquiet\n{end}\n")
     both = compare.splice_section(quiet, text)
     again = compare.splice_section(both, text.replace("Test CPU", "Other CPU"))
-    assert "quiet" in again and again.count(compare.CONTEND_START) == 1
+    assert "quiet" in again and again.count(contend_start) == 1
     assert "Other CPU" in again and "Test CPU" not in again
 
 
@@ -202,18 +362,19 @@ def test_cpu_limit_section_has_its_own_markers_and_only_the_single_target():
     machine = {"cpu": "Test CPU", "cores": 2, "flags": [], "mem_gib": 1.0}
     cond = compare.Condition(cpu_limit="taskset:0")
     text = compare.render_section(_figures(), machine, ["x"], None, "2026-01-01", None,
-                                  condition=cond)
-    assert text.startswith("<!-- compare-limit-taskset:start -->")
-    assert text.rstrip().endswith("<!-- compare-limit-taskset:end -->")
+                                  condition=cond, cpu="xeon-amx")
+    assert text.startswith("<!-- compare-limit-taskset:xeon-amx:start -->")
+    assert text.rstrip().endswith("<!-- compare-limit-taskset:xeon-amx:end -->")
     assert "inside `taskset -c 0`" in text
     assert re.search(r"\| single .*\| 1\.60x \| >= 1\.3x \| yes", text)
     assert re.search(r"\| offline .*\| 1\.60x \| none \| n/a", text)
     cgroup = compare.render_section(_figures(), machine, ["x"], None, "2026-01-01", None,
-                                    condition=compare.Condition(cpu_limit="cgroup:1"))
+                                    condition=compare.Condition(cpu_limit="cgroup:1"),
+                                    cpu="xeon-amx")
     doc = compare.splice_section(compare.splice_section("# P\n", text), cgroup)
     doc = compare.splice_section(doc, text.replace("Test CPU", "Other CPU"))
-    assert doc.count("compare-limit-taskset:start") == 1
-    assert doc.count("compare-limit-cgroup:start") == 1 and "Other CPU" in doc
+    assert doc.count("compare-limit-taskset:xeon-amx:start") == 1
+    assert doc.count("compare-limit-cgroup:xeon-amx:start") == 1 and "Other CPU" in doc
     with pytest.raises(ValueError, match="marker"):
         compare.splice_section(doc, "## no marker\n")
     with pytest.raises(ValueError, match="use one"):
