@@ -97,7 +97,7 @@ def measure(llm: LLM, tag: int, sync: bool, cold: bool) -> tuple[float, int, flo
             steps.append(now - t0)
             last = now
     window = t0 - start
-    while "json" in engine.parents:
+    while engine.output_processor.has_request("json"):
         engine.step()
     engine.abort_request("free")
     engine.step()

@@ -1,6 +1,6 @@
 """Pooling parameters (vLLM's ``PoolingParams``): what a pooling request (embed, classify,
 score, encode) may ask for. Validated in ``__post_init__`` like ``SamplingParams``; the engine
-fills the task and the model's defaults (``LLMEngine.resolve_pooling_params``)."""
+fills the task and the model's defaults (``InputProcessor.resolve_pooling_params``)."""
 
 from __future__ import annotations
 

@@ -15,8 +15,9 @@ import pytest
 
 from ingot import SamplingParams
 from ingot.engine.arg_utils import EngineArgs
-from ingot.engine.async_engine import AsyncLLM, EngineDeadError
+from ingot.engine.async_engine import AsyncLLM
 from ingot.engine.llm_engine import LLMEngine
+from ingot.engine.protocol import EngineDeadError
 from ingot.entrypoints.openai.api_server import ServerSettings, build_app
 from ingot.metrics.prometheus import EngineMetrics
 
@@ -45,7 +46,7 @@ def _all_blocks(llm: AsyncLLM) -> int:
 
 async def _idle(llm: AsyncLLM) -> tuple[int, int]:
     """(requests in the engine, free blocks), read on the engine thread between steps."""
-    return await llm.call(lambda: (len(llm.engine.parents), _free_blocks(llm)))
+    return await llm.call(lambda: (llm.engine.get_num_unfinished_requests(), _free_blocks(llm)))
 
 
 def test_concurrent_streams_are_separate_and_cumulative(engine):
@@ -185,10 +186,10 @@ def test_engine_failure_reaches_every_pending_request(tiny_llama_dir):
             asyncio.create_task(direct()),
         ]
         for _ in range(300):  # until all four are inside the engine (bounded: 30 s)
-            if len(llm.engine.parents) == 4:
+            if llm.engine.get_num_unfinished_requests() == 4:
                 break
             await asyncio.sleep(0.1)
-        assert len(llm.engine.parents) == 4
+        assert llm.engine.get_num_unfinished_requests() == 4
         fail.set()
         results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=15)
         health = await asgi(app, "GET", "/health")

@@ -86,6 +86,21 @@ def test_balances_100_requests(dp2):
     assert all(40 <= c <= 60 for c in counts), counts  # 50 +- 20%
 
 
+def test_constraints_are_checked_on_a_replica(dp2):
+    """The server's check before a response starts compiles the constraint on a replica (the
+    front end keeps no grammar compiler): a bad one is a 400 naming the field, a good one
+    constrains the output."""
+    status, err = dp2.json("POST", "/v1/completions", {
+        "prompt": "hi", "max_tokens": 4, "structured_outputs": {"regex": "(("}})
+    assert status == 400 and "invalid structured_outputs.regex" in err["error"]["message"]
+    assert err["error"]["param"] == "structured_outputs"
+    for _ in range(2):  # a replica's cache, then the other replica (or the cache again)
+        status, body = dp2.json("POST", "/v1/completions", {
+            "prompt": "hi", "max_tokens": 8, "temperature": 0,
+            "structured_outputs": {"choice": ["yes", "no"]}})
+        assert status == 200 and body["choices"][0]["text"] in ("yes", "no"), body
+
+
 def _engine_pids(server_pid: int) -> list[int]:
     """The server's spawned engine-core processes (multiprocessing's spawn_main children)."""
     pids = []

@@ -11,10 +11,11 @@ import time
 import pytest
 
 from ingot import LLM, SamplingParams
+from ingot.distributed.supervision import WorkerProcessError
 from ingot.engine.arg_utils import EngineArgs
-from ingot.engine.async_engine import AsyncLLM, EngineDeadError
+from ingot.engine.async_engine import AsyncLLM
 from ingot.engine.llm_engine import LLMEngine
-from ingot.worker.multiproc_executor import WorkerProcessError
+from ingot.engine.protocol import EngineDeadError
 
 BASE = dict(dtype="float32", max_model_len=256, block_size=4, max_num_seqs=16)
 

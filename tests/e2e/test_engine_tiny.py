@@ -71,7 +71,7 @@ def test_block_accounting_after_random_requests_and_aborts(tiny_llama_dir):
         engine.step()
         steps += 1
         if rng.random() < 0.2:
-            live = [r for r in ids if r in engine.parents]
+            live = [r for r in ids if engine.output_processor.has_request(r)]
             if live:
                 engine.abort_request(rng.choice(live))
         assert pool.num_free_blocks >= 0

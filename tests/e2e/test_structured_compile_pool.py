@@ -291,7 +291,7 @@ def test_server_precheck_waits_off_the_engine_thread(tiny_llama_dir, gate):
         before = counts[-1]
         await asyncio.sleep(0.3)
         during = counts[-1] - before
-        assert not slow.done() and len(llm.engine.parents) == 1  # still in its pre-check
+        assert not slow.done() and llm.engine.get_num_unfinished_requests() == 1  # still in its pre-check
         timed_out = await asyncio.wait_for(slow, 10)
         bad = await asgi(app, "POST", "/v1/completions", {
             "prompt": "x", "max_tokens": 5, "structured_outputs": {"regex": "(unclosed"}})

@@ -78,7 +78,7 @@ def test_defaults_from_sentence_transformers(llm_fp32):
 def test_fp32_equals_hf_mean_pooling(reference, llm_fp32):
     texts, ref, tok, _ = reference
     outs = llm_fp32.embed(texts)
-    # The batch encode (engine.pretokenize) gives the tokenizer's own ids for every text.
+    # The batch encode (InputProcessor.pretokenize) gives the tokenizer's own ids for every text.
     assert [o.prompt_token_ids for o in outs] == [tok(t)["input_ids"] for t in texts]
     cos = _cos(outs, ref)
     assert cos.min().item() >= COS_MIN, cos.min()

@@ -11,8 +11,9 @@ from dp_child_stub import child
 
 from ingot.buckets import BucketCounter, BucketStats
 from ingot.core.spec_policy import SpecDecodingStats
+from ingot.distributed.remote_children import HEARTBEAT_TIMEOUT_S
+from ingot.distributed.supervision import ChildProcesses, WorkerProcessError
 from ingot.engine.dp_client import LeastLoaded, merge_stats
-from ingot.worker.multiproc_executor import ChildProcesses, WorkerProcessError
 
 
 def test_least_loaded_takes_turns_on_equal_queues():
@@ -109,10 +110,10 @@ def test_a_silent_remote_replica_is_reported_by_rank():
         range(1, 3))
     try:
         assert remote.dead_child() is None  # just heard from (start-up)
-        remote.last_seen[2] -= dp_client.HEARTBEAT_TIMEOUT_S + 1
+        remote.last_seen[2] -= HEARTBEAT_TIMEOUT_S + 1
         assert remote.dead_child() == (
             f"data-parallel rank 2 (on another node) sent nothing for "
-            f"{dp_client.HEARTBEAT_TIMEOUT_S:.0f} s")
+            f"{HEARTBEAT_TIMEOUT_S:.0f} s")
         # A port in use is an error naming the flag.
         with pytest.raises(ValueError, match="--data-parallel-rpc-port"):
             dp_client.RemoteReplicas(

@@ -11,15 +11,10 @@ import pytest
 from dp_child_stub import child
 
 from ingot.cli.main import check_headless
+from ingot.distributed.remote_children import RemoteChildren
+from ingot.distributed.supervision import ChildProcesses, WorkerProcessError
 from ingot.engine.arg_utils import EngineArgs
-from ingot.worker.multiproc_executor import (
-    ChildProcesses,
-    MultiprocExecutor,
-    RemoteChildren,
-    WorkerProcessError,
-    _missing_nodes,
-    node_addresses,
-)
+from ingot.worker.multiproc_executor import MultiprocExecutor, _missing_nodes, node_addresses
 
 
 def _args(path, **kw) -> EngineArgs:

@@ -116,7 +116,7 @@ def _tokenize(llm: Any, prompts: Sequence[Prompt]) -> list[list[int]]:
     """Token ids exactly as the engine would encode each prompt (text or ids)."""
     out = []
     for p in prompts:
-        _, ids = llm.llm_engine.tokenize_prompt(p)
+        _, ids = llm.llm_engine.processor.tokenize_prompt(p)
         if not ids:
             raise ValueError(f"prompt {p!r} has no tokens")
         out.append(ids)

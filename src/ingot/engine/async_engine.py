@@ -5,7 +5,7 @@ side sends it commands (add, abort) through a queue and each request receives it
 its own asyncio queue. A thread rather than a process: torch releases the GIL inside its ops, the
 loop's Python work per step is small, and outputs need no serialisation. If a step raises, every
 pending request gets the error and the engine reports itself dead (the health check fails);
-nothing hangs.
+nothing hangs. It is the server's ``EngineClient`` (engine/protocol.py).
 """
 
 from __future__ import annotations
@@ -19,12 +19,15 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from ingot.config import ModelConfig
 from ingot.engine.arg_utils import EngineArgs
-from ingot.engine.llm_engine import LLMEngine, PromptType
+from ingot.engine.llm_engine import LLMEngine
 from ingot.engine.outputs import PoolingRequestOutput, RequestOutput
-from ingot.errors import IngotError
+from ingot.engine.processor import InputProcessor, PromptType
+from ingot.engine.protocol import EngineDeadError
 from ingot.pooling_params import PoolingParams
 from ingot.sampling_params import SamplingParams
+from ingot.structured_output.manager import compile_timeout_message
 
 logger = logging.getLogger("ingot")
 
@@ -32,10 +35,6 @@ logger = logging.getLogger("ingot")
 StepCallback = Callable[[LLMEngine, list[RequestOutput], float], None]
 # Called on the engine thread after an abort freed a request: (engine, request id, sequences).
 AbortCallback = Callable[[LLMEngine, str, int], None]
-
-
-class EngineDeadError(IngotError, RuntimeError):
-    """The engine loop failed (or was shut down); the server must be restarted."""
 
 
 class AsyncLLM:
@@ -64,6 +63,18 @@ class AsyncLLM:
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncLLM:
         return cls(LLMEngine.from_engine_args(args), **kwargs)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.engine.model_config
+
+    @property
+    def tokenizer(self) -> Any | None:
+        return self.engine.tokenizer
+
+    @property
+    def input_processor(self) -> InputProcessor:
+        return self.engine.processor
 
     @property
     def is_running(self) -> bool:
@@ -156,12 +167,22 @@ class AsyncLLM:
         self._wakeup.set()
         return await asyncio.wrap_future(future)
 
-    async def generate(
-        self, prompt: PromptType, params: SamplingParams | PoolingParams, request_id: str
-    ) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
+    def generate(
+        self, prompt: PromptType, params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
         """Yields cumulative RequestOutputs; the last one has ``finished=True``. Leaving the
-        iteration early (client gone, task cancelled) aborts the request at once. With
-        PoolingParams (a pooling model) the one output is the finished PoolingRequestOutput."""
+        iteration early (client gone, task cancelled) aborts the request at once."""
+        return self._stream(prompt, params, request_id)
+
+    def encode(
+        self, prompt: PromptType, params: PoolingParams, request_id: str
+    ) -> AsyncIterator[PoolingRequestOutput]:
+        """A pooling request (a pooling model): yields its one, finished output."""
+        return self._stream(prompt, params, request_id)
+
+    async def _stream(
+        self, prompt: PromptType, params: SamplingParams | PoolingParams, request_id: str
+    ) -> AsyncIterator[Any]:
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if self._stopped or self.dead_error is not None:
@@ -196,13 +217,10 @@ class AsyncLLM:
 
     async def abort(self, request_id: str) -> None:
         def do_abort() -> None:
-            parent = self.engine.parents.get(request_id)
-            if parent is None:  # already finished
-                return
-            self.engine.abort_request(request_id)
-            if self._on_abort is not None:
+            num_seqs = self.engine.abort_request(request_id).get(request_id)
+            if num_seqs is not None and self._on_abort is not None:  # None: already finished
                 try:
-                    self._on_abort(self.engine, request_id, len(parent.children))
+                    self._on_abort(self.engine, request_id, num_seqs)
                 except Exception:  # metrics must never take the engine down
                     logger.exception("stat logging failed")
 
@@ -210,6 +228,31 @@ class AsyncLLM:
             await self.call(do_abort)
         except EngineDeadError:
             pass
+
+    async def check_structured_output(self, params: SamplingParams) -> None:
+        """Compile the constraint before a response starts, so an invalid one is the caller's
+        ``ValueError``. The compile is submitted on the engine thread (which owns the
+        compiled-grammar cache) and runs on a compile pool; only this caller awaits it, so the
+        engine keeps stepping. The request then finds its grammar cached."""
+        constraint = params.structured_outputs
+        if constraint is None:
+            return
+        future = await self.call(lambda: self.engine.submit_structured_output(params))
+        timeout = self.engine.config.structured_outputs.compile_timeout_s
+        try:
+            # Shielded: a timeout must not cancel a compile other requests may share.
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)
+        except TimeoutError:
+            raise ValueError(compile_timeout_message(constraint.kind, timeout)) from None
+
+    async def start_profile(self) -> None:
+        await self.call(self.engine.start_profile)
+
+    async def stop_profile(self) -> str | None:
+        return await self.call(self.engine.stop_profile)
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.call(self.engine.reset_prefix_cache)
 
     def shutdown(self) -> None:
         self._stopped = True

@@ -12,18 +12,20 @@ lockstep: one ``busy_loop_turn`` per iteration, a dummy batch where a replica ha
 run, every step padded to the largest replica's (distributed/data_parallel.py).
 
 A new request goes to the replica with the fewest unfinished requests (ties: round robin), as
-vLLM's front end balances by queue length. Processes and sockets are the multiprocess
-executor's (``ChildProcesses``): a replica that fails or exits is reported by its rank, in
-start-up within ``INGOT_WORKER_STARTUP_TIMEOUT_S`` and while serving within ``_POLL_S``.
+vLLM's front end balances by queue length. Processes and sockets are distributed/supervision.py's
+``ChildProcesses`` (as the multiprocess executor's workers): a replica that fails or exits is
+reported by its rank, in start-up within ``INGOT_WORKER_STARTUP_TIMEOUT_S`` and while serving
+within ``_POLL_S``.
+
+The server's check of a constraint before a response starts (``submit_structured_output``)
+compiles it on the replica the next request would go to, which then finds it cached.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import pickle
-import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -34,93 +36,16 @@ from ingot.buckets import BucketStats
 from ingot.config import EngineConfig
 from ingot.core.outputs import EngineCoreOutput
 from ingot.core.request import Request, RequestStatus
-from ingot.distributed.data_parallel import busy_loop_turn
+from ingot.distributed.remote_children import RemoteChildren, run_remote_children
+from ingot.distributed.supervision import STARTUP_TIMEOUT_S, ChildProcesses, WorkerProcessError
+from ingot.engine.dp_replica import replica_config, replica_main
 from ingot.sampling_params import SamplingParams
 from ingot.worker.executor import RpcMethod
-from ingot.worker.multiproc_executor import (
-    HEARTBEAT_TIMEOUT_S,  # noqa: F401 - tests read it here
-    STARTUP_TIMEOUT_S,
-    ChildProcesses,
-    RemoteChildren,
-    WorkerProcessError,
-    child_links,
-    run_remote_children,
-)
 
 logger = logging.getLogger("ingot")
 
 _POLL_S = 0.02  # how long step() waits for a replica's outputs before it returns
-_IDLE_POLL_S = 0.1  # how long an idle replica waits for a command
-
-
-def replica_config(config: EngineConfig, dp_rank: int, init_method: str) -> EngineConfig:
-    """The config of replica ``dp_rank``: the same model and limits (``max_num_seqs`` is per
-    replica), its own rank, so its workers are global ranks ``dp_rank * TP + i``; with EP
-    across the replicas, the rendezvous of their common world."""
-    parallel = config.parallel_config
-    return dataclasses.replace(config, parallel_config=dataclasses.replace(
-        parallel, data_parallel_rank=dp_rank,
-        distributed_init_method=init_method if parallel.replicas_synchronise else None))
-
-
-def _engine_main(config: EngineConfig, dp_rank: int, in_addr: str, out_addr: str,
-                 parent_pid: int, log_level: int) -> None:
-    """One replica: an EngineCore and its step loop. Messages in: ``(kind, payload)``; out:
-    ``(dp_rank, status, value)`` with status "ready", "outputs" (outputs, stats), "rpc"
-    (call id, result), "error" (a traceback: the replica is gone)."""
-    def rpc_error(status: str, value: Any, exc: Exception) -> tuple[str, Any]:
-        # An unpicklable RPC result fails that call, not the replica.
-        call_id = value[0] if status == "rpc" else None
-        return "rpc", (call_id, ("error", RuntimeError(f"result not picklable: {exc!r}")))
-
-    inbox, reply = child_links(dp_rank, f"dp {dp_rank}", in_addr, out_addr, parent_pid,
-                               log_level, rpc_error)
-    try:
-        from ingot.engine.core import EngineCore
-        from ingot.engine.tokenizer import load_tokenizer
-
-        core = EngineCore(config, load_tokenizer(config.model_config))
-        reply("ready", core.get_stats())
-        lockstep = config.parallel_config.replicas_synchronise
-        any_busy = False
-
-        def step() -> bool:
-            """One engine step; whether it ran a forward (an empty schedule runs none)."""
-            before = core.num_steps
-            outputs = core.step()
-            if outputs:
-                reply("outputs", (outputs, core.get_stats()))
-            return core.num_steps > before
-
-        while True:
-            busy = core.has_pending_work() or any_busy
-            while inbox.poll(0 if busy else int(_IDLE_POLL_S * 1000)):
-                kind, payload = pickle.loads(inbox.recv())
-                if kind == "add":
-                    core.add_request(payload)
-                elif kind == "finish":
-                    core.finish_requests(*payload)
-                elif kind == "rpc":
-                    call_id, method, args, kwargs = payload
-                    try:  # an EngineCore method: collective_rpc, reset_prefix_cache, ...
-                        result: Any = ("ok", getattr(core, method)(*args, **kwargs))
-                    except Exception as exc:  # noqa: BLE001 - the caller raises it
-                        result = ("error", exc)
-                    reply("rpc", (call_id, result))
-                elif kind == "shutdown":
-                    core.shutdown()
-                    reply("rpc", (payload, ("ok", None)))
-                    return
-                busy = core.has_pending_work() or any_busy
-            if lockstep:  # EP across replicas: every turn together (data_parallel.py)
-                any_busy = busy_loop_turn(
-                    core.has_pending_work, step,
-                    lambda: core.collective_rpc("execute_dummy_batch"),
-                    lambda local: core.collective_rpc("dp_has_unfinished", (local,))[0])
-            elif busy:
-                step()
-    except BaseException:  # noqa: BLE001 - reported to the front end, which fails requests
-        reply("error", traceback.format_exc())
+_REPLY_POLL_S = 0.1  # how long a call waits for a reply before it checks the replicas
 
 
 def merge_stats(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -159,12 +84,16 @@ class LeastLoaded:
         self.routed = [0] * size  # requests each replica has been given
         self._next = 0
 
-    def pick(self) -> int:
+    def peek(self) -> int:
+        """The replica ``pick`` would choose now, without choosing it."""
         least = min(self.load)
         size = len(self.load)
-        rank = next(r % size for r in range(self._next, self._next + size)
+        return next(r % size for r in range(self._next, self._next + size)
                     if self.load[r % size] == least)
-        self._next = (rank + 1) % size
+
+    def pick(self) -> int:
+        rank = self.peek()
+        self._next = (rank + 1) % len(self.load)
         self.load[rank] += 1
         self.routed[rank] += 1
         return rank
@@ -196,7 +125,7 @@ def run_headless(config: EngineConfig) -> int:
     parallel = config.parallel_config
     out, inbox = remote_addresses(parallel)
     first = parallel.data_parallel_start_rank
-    return run_remote_children(_engine_main, range(first, first + parallel.local_replicas),
+    return run_remote_children(replica_main, range(first, first + parallel.local_replicas),
                                lambda r: (replica_config(config, r, ""), r), out, inbox,
                                "data-parallel rank")
 
@@ -206,9 +135,7 @@ class DPEngineCoreClient:
 
     workers_are_local = False
 
-    def __init__(self, config: EngineConfig, tokenizer: Any | None = None) -> None:
-        from ingot.structured_output.manager import StructuredOutputManager
-
+    def __init__(self, config: EngineConfig) -> None:
         self.config = config
         parallel = config.parallel_config
         self.dp_size = parallel.data_parallel_size
@@ -219,7 +146,7 @@ class DPEngineCoreClient:
             )
         self.num_local = parallel.local_replicas
         self._children = ChildProcesses(
-            self.dp_size, _engine_main, lambda r, init: (replica_config(config, r, init), r),
+            self.dp_size, replica_main, lambda r, init: (replica_config(config, r, init), r),
             "data-parallel rank", "ingot-dp-", local=self.num_local,
             remote=lambda: RemoteReplicas(parallel, range(self.num_local, self.dp_size)),
             hint=lambda missing: " (the ranks of other nodes start with ingot serve --headless)"
@@ -233,14 +160,11 @@ class DPEngineCoreClient:
             raise
         logger.info("data parallelism: %d engine-core processes started (%d on this node)",
                     self.dp_size, self.num_local)
-        # Grammars compile here too, so a bad one is refused before a request starts (the
-        # server's check); each replica compiles (and caches) its own for its requests.
-        self.structured_output = StructuredOutputManager(
-            tokenizer, config.model_config.vocab_size, config.structured_outputs)
         self._owner: dict[str, int] = {}  # unfinished request -> replica
         self.balancer = LeastLoaded(self.dp_size)
         self._outputs: list[EngineCoreOutput] = []
         self._replies: dict[int, dict[int, tuple[str, Any]]] = {}
+        self._compiles: dict[int, Future] = {}  # constraint checks sent to a replica, by call id
         self._call_ids = itertools.count()
         self._dead: str | None = None
         self.num_steps = 0
@@ -261,9 +185,15 @@ class DPEngineCoreClient:
         self._send(rank, "add", request)
 
     def submit_structured_output(self, params: SamplingParams) -> Future | None:
+        """Compile the constraint on the replica the next request would go to (it caches the
+        grammar); the future completes when that replica answers (``_receive``)."""
         if params.structured_outputs is None:
             return None
-        return self.structured_output.submit(params.structured_outputs)
+        call_id = next(self._call_ids)
+        self._send(self.balancer.peek(), "compile", (call_id, params))
+        future: Future = Future()
+        self._compiles[call_id] = future
+        return future
 
     def finish_requests(self, request_ids: Sequence[str], status: RequestStatus) -> None:
         by_rank: dict[int, list[str]] = {}
@@ -276,7 +206,8 @@ class DPEngineCoreClient:
             self._send(rank, "finish", (rids, status))
 
     def has_pending_work(self) -> bool:
-        return bool(self._owner) or bool(self._outputs)
+        # A constraint check waiting for its replica keeps the loop receiving.
+        return bool(self._owner) or bool(self._outputs) or bool(self._compiles)
 
     # ---- outputs -------------------------------------------------------------------------
     def _receive(self, timeout_s: float, check: bool = True) -> bool:
@@ -298,9 +229,17 @@ class DPEngineCoreClient:
             self._outputs.extend(outputs)
         elif status == "rpc":
             call_id, result = value
-            self._replies.setdefault(call_id, {})[rank] = result
+            future = self._compiles.pop(call_id, None)
+            if future is None:
+                self._replies.setdefault(call_id, {})[rank] = result
+            elif future.set_running_or_notify_cancel():
+                outcome, detail = result
+                if outcome == "ok":
+                    future.set_result(detail)
+                else:
+                    future.set_exception(detail)
         elif status == "error":
-            self._dead = f"data-parallel rank {rank} failed"
+            self._set_dead(f"data-parallel rank {rank} failed")
             raise WorkerProcessError(f"data-parallel rank {rank} failed:\n{value}")
         return True
 
@@ -321,7 +260,7 @@ class DPEngineCoreClient:
         for rank in range(self.dp_size):
             self._send(rank, "rpc", (call_id, method, tuple(args), kwargs or {}))
         while len(self._replies.get(call_id, {})) < self.dp_size:
-            self._receive(_IDLE_POLL_S)
+            self._receive(_REPLY_POLL_S)
         replies = self._replies.pop(call_id)
         results = []
         for rank in range(self.dp_size):
@@ -346,8 +285,17 @@ class DPEngineCoreClient:
             pass
         dead = self._children.dead_child()
         if dead:
-            self._dead = dead
+            self._set_dead(dead)
             raise WorkerProcessError(dead)
+
+    def _set_dead(self, reason: str) -> None:
+        """A replica is gone: the engine is down, and constraint checks get no answer."""
+        self._dead = reason
+        for future in self._compiles.values():
+            if future.set_running_or_notify_cancel():
+                future.set_exception(WorkerProcessError(f"a data-parallel engine is down "
+                                                        f"({reason})"))
+        self._compiles.clear()
 
     def reset_prefix_cache(self) -> bool:
         return all(self._call("reset_prefix_cache"))
@@ -357,7 +305,7 @@ class DPEngineCoreClient:
         call_id = next(self._call_ids)
         self._send(rank, "rpc", (call_id, "request_blocks", (request_id,), {}))
         while rank not in self._replies.get(call_id, {}):
-            self._receive(_IDLE_POLL_S)
+            self._receive(_REPLY_POLL_S)
         status, value = self._replies.pop(call_id)[rank]
         if status == "error":
             raise value
@@ -373,7 +321,8 @@ class DPEngineCoreClient:
         return merge_stats(per_rank)
 
     def shutdown(self) -> None:
-        self.structured_output.shutdown()
+        for future in self._compiles.values():
+            future.cancel()
         if not self._children.finalizer.alive:
             return
         if self._dead is None:
@@ -383,8 +332,8 @@ class DPEngineCoreClient:
                     self._send_raw(rank, pickle.dumps(("shutdown", call_id)), zmq.NOBLOCK)
                 deadline = 30.0
                 while len(self._replies.get(call_id, {})) < self.dp_size and deadline > 0:
-                    self._receive(_IDLE_POLL_S)
-                    deadline -= _IDLE_POLL_S
+                    self._receive(_REPLY_POLL_S)
+                    deadline -= _REPLY_POLL_S
             except (WorkerProcessError, zmq.ZMQError):
                 pass
         else:  # the engine is down: the other replicas get no shutdown, stop them now

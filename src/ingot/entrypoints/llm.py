@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from ingot.engine import scoring
 from ingot.engine.arg_utils import EngineArgs
-from ingot.engine.llm_engine import LLMEngine, PromptType
+from ingot.engine.llm_engine import LLMEngine
 from ingot.engine.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -18,6 +18,7 @@ from ingot.engine.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
+from ingot.engine.processor import PromptType
 from ingot.engine.tokenizer import apply_chat_template
 from ingot.pooling_params import PoolingParams
 from ingot.sampling_params import SamplingParams
@@ -115,7 +116,7 @@ class LLM:
                 p.task = pooling_task
             resolved.append(p)
         engine = self.llm_engine
-        prompt_list = engine.pretokenize(prompt_list, [p.truncate_prompt_tokens for p in resolved])
+        prompt_list = engine.processor.pretokenize(prompt_list, [p.truncate_prompt_tokens for p in resolved])
         ids: list[str] = []
         try:
             for prompt, params in zip(prompt_list, resolved, strict=True):

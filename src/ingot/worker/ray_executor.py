@@ -30,8 +30,8 @@ from concurrent.futures import Future
 from typing import Any
 
 from ingot.config import EngineConfig
+from ingot.distributed.supervision import STARTUP_TIMEOUT_S, WorkerProcessError
 from ingot.worker.executor import FanOutExecutor, RpcMethod, run_on_worker
-from ingot.worker.multiproc_executor import STARTUP_TIMEOUT_S, WorkerProcessError
 
 logger = logging.getLogger("ingot")
 

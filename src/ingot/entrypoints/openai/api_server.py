@@ -28,8 +28,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ingot.engine.arg_utils import EngineArgs
-from ingot.engine.async_engine import AsyncLLM, EngineDeadError
+from ingot.engine.async_engine import AsyncLLM
 from ingot.engine.llm_engine import LLMEngine
+from ingot.engine.protocol import EngineClient, EngineDeadError
 from ingot.engine.tokenizer import apply_chat_template
 from ingot.entrypoints.openai.access_log import AccessLogMiddleware
 from ingot.entrypoints.openai.protocol import (
@@ -300,7 +301,7 @@ async def _until_disconnected(request: Request, work: Awaitable[Any]) -> Any:
     return task.result()
 
 
-def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: EngineMetrics) -> FastAPI:
+def build_app(engine: EngineClient, settings: ServerSettings, metrics: EngineMetrics) -> FastAPI:
     app = FastAPI(title="ingot", version=__version__)
     app.add_middleware(GuardMiddleware, settings=settings)
     if settings.access_log:
@@ -308,7 +309,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: EngineMetrics
     serving = OpenAIServing(engine, settings.served_model_name, settings.log_requests,
                             settings.chat_options)
     pooling = OpenAIServingPooling(engine, settings.served_model_name)
-    model_config = engine.engine.model_config
+    model_config = engine.model_config
 
     @app.exception_handler(HTTPError)
     async def on_http_error(_: Request, exc: HTTPError) -> JSONResponse:
@@ -477,7 +478,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: EngineMetrics
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt or messages",
                               "prompt" if body.prompt is None else "messages")
-        tokenizer = serving._need_tokenizer("prompt" if body.prompt is not None else "messages")
+        tokenizer = serving.need_tokenizer("prompt" if body.prompt is not None else "messages")
         if body.messages is not None:
             text = apply_chat_template(
                 tokenizer, message_dicts(body.messages),
@@ -498,7 +499,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: EngineMetrics
             raise bad_request(
                 f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens"
             )
-        return {"prompt": serving._need_tokenizer("tokens").decode(body.tokens)}
+        return {"prompt": serving.need_tokenizer("tokens").decode(body.tokens)}
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -506,12 +507,12 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: EngineMetrics
 
     @app.post("/start_profile")
     async def start_profile() -> dict[str, Any]:
-        await engine.call(engine.engine.start_profile)
+        await engine.start_profile()
         return {"status": "profiling"}
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
-        if not await engine.call(engine.engine.reset_prefix_cache):
+        if not await engine.reset_prefix_cache():
             raise HTTPError(
                 409, "the prefix cache is in use by running requests; retry when they finish",
                 "invalid_request_error",
@@ -520,7 +521,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: EngineMetrics
 
     @app.post("/stop_profile")
     async def stop_profile() -> dict[str, Any]:
-        trace = await engine.call(engine.engine.stop_profile)
+        trace = await engine.stop_profile()
         return {"status": "stopped", "trace": trace}
 
     return app
@@ -555,7 +556,7 @@ def serve(engine_args: EngineArgs, host: str, port: int, settings_kwargs: dict[s
     import uvicorn
 
     engine, metrics, elapsed = build_engine(engine_args, metrics_name_prefix)
-    served = engine.engine.model_config.served_model_name
+    served = engine.model_config.served_model_name
     settings = ServerSettings(served_model_name=served, **settings_kwargs)
     app = build_app(engine, settings, metrics)
     logger.info("ready: serving %s on http://%s:%d (%.1fs)", served, host, port, elapsed)

@@ -11,9 +11,10 @@ from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from ingot.engine.async_engine import AsyncLLM
 from ingot.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from ingot.engine.processor import EMPTY_PROMPT
 from ingot.engine.prompt_embeds import PROMPT_EMBEDS_PLACEHOLDER, decode_prompt_embeds
+from ingot.engine.protocol import EngineClient
 from ingot.engine.tokenizer import apply_chat_template
 from ingot.entrypoints.openai.access_log import record_usage
 from ingot.entrypoints.openai.chat_output import ChatOutputParser, finish_reason
@@ -31,7 +32,6 @@ from ingot.entrypoints.openai.tool_parsers.base import ToolParser
 from ingot.entrypoints.openai.tools import ToolRequest, parse_tool_request
 from ingot.errors import PromptTooLongError
 from ingot.sampling_params import SamplingParams
-from ingot.structured_output.manager import compile_timeout_message
 
 request_logger = logging.getLogger("ingot.requests")
 
@@ -182,19 +182,21 @@ def silence_too_long_warning() -> None:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, served_model_name: str,
+    def __init__(self, engine: EngineClient, served_model_name: str,
                  log_requests: bool = False, chat_options: ChatOptions | None = None) -> None:
         self.engine = engine
         self.chat_options = chat_options or ChatOptions()
         self.served_model_name = served_model_name
         self.log_requests = log_requests
         silence_too_long_warning()
-        self.tokenizer = engine.engine.tokenizer
-        self.max_model_len = engine.engine.model_config.max_model_len
-        self.vocab_size = engine.engine.model_config.vocab_size
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.model_config.max_model_len
+        # The engine's own prompt checks, run here so a bad prompt is a 400 before a stream
+        # starts (the engine runs them again when the request is added).
+        self.processor = engine.input_processor
 
     # ---- prompts -------------------------------------------------------------------------
-    def _need_tokenizer(self, param: str = "prompt") -> Any:
+    def need_tokenizer(self, param: str = "prompt") -> Any:
         if self.tokenizer is None:
             raise RequestValueError(
                 "the server runs without a tokenizer; send token-id prompts", param
@@ -207,24 +209,17 @@ class OpenAIServing:
         elif prompt and all(isinstance(t, int) for t in prompt):
             prompt = [prompt]
         if not prompt:
-            raise RequestValueError("prompt is empty; give at least one token", "prompt")
-        vocab = self.vocab_size
+            raise RequestValueError(EMPTY_PROMPT, "prompt")
         prepared = []
         for p in prompt:
-            if not p:
-                raise RequestValueError("prompt is empty; give at least one token", "prompt")
-            if isinstance(p, str):
-                prepared.append(PreparedPrompt(p, self._need_tokenizer().encode(p)))
-                continue
-            # Checked here rather than by the engine so the client gets a 400 before a
-            # stream starts.
-            bad = [t for t in p if not 0 <= t < vocab]
-            if bad:
-                raise RequestValueError(
-                    f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
-                    "prompt",
-                )
-            prepared.append(PreparedPrompt(None, list(p)))
+            if isinstance(p, str) and p:
+                self.need_tokenizer()  # the server's own words for it
+            try:
+                text, token_ids = self.processor.tokenize_prompt(p)
+                self.processor.check_token_ids(token_ids)
+            except ValueError as exc:
+                raise RequestValueError(str(exc), "prompt") from None
+            prepared.append(PreparedPrompt(text, token_ids))
         return prepared
 
     def chat_prompt(
@@ -232,7 +227,7 @@ class OpenAIServing:
     ) -> PreparedPrompt:
         if not request.messages:
             raise RequestValueError("messages is empty; give at least one message", "messages")
-        tokenizer = self._need_tokenizer("messages")
+        tokenizer = self.need_tokenizer("messages")
         template = request.chat_template or self.chat_options.chat_template
         kwargs = request.template_kwargs()
         messages = request.message_dicts()
@@ -281,23 +276,14 @@ class OpenAIServing:
 
     # ---- engine --------------------------------------------------------------------------
     async def check_constraints(self, params_list: list[SamplingParams], param: str) -> None:
-        """Compile the requests' grammars before any response starts, so an invalid one is a
-        400 naming ``param``. The compile is submitted on the engine thread (which owns the
-        compiled-grammar cache) and runs on the manager's pool; only this request awaits it,
-        so the engine keeps stepping. The request then finds its grammar cached."""
-        core = self.engine.engine.engine_core
-        timeout = core.structured_output.config.compile_timeout_s
+        """Compile the requests' grammars before any response starts, so an invalid one (or
+        one too slow to compile) is a 400 naming ``param``; the engine keeps stepping
+        meanwhile (``EngineClient.check_structured_output``)."""
         for params in params_list:
             if params.structured_outputs is None:
                 continue
             try:
-                future = await self.engine.call(lambda p=params: core.submit_structured_output(p))
-                # Shielded: a timeout must not cancel a compile other requests may share.
-                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)
-            except TimeoutError:
-                raise RequestValueError(
-                    compile_timeout_message(params.structured_outputs.kind, timeout), param
-                ) from None
+                await self.engine.check_structured_output(params)
             except ValueError as exc:
                 raise RequestValueError(str(exc), param) from exc
             break  # n prompts of one request share one constraint
@@ -321,12 +307,11 @@ class OpenAIServing:
     # ---- completions ---------------------------------------------------------------------
     def embeds_prompts(self, data: str | list[str]) -> list[PreparedPrompt]:
         """Decoded, checked prompt_embeds (engine/prompt_embeds.py), refused when off."""
-        mc = self.engine.engine.model_config
-        if not mc.enable_prompt_embeds:
-            raise RequestValueError(
-                "prompt_embeds is off on this server; start it with --enable-prompt-embeds",
-                "prompt_embeds",
-            )
+        mc = self.engine.model_config
+        try:
+            self.processor.check_prompt_embeds_enabled()
+        except ValueError as exc:
+            raise RequestValueError(str(exc), "prompt_embeds") from None
         items = [data] if isinstance(data, str) else list(data)
         if not items:
             raise RequestValueError("prompt_embeds is empty", "prompt_embeds")

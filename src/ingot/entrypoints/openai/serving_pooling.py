@@ -11,8 +11,8 @@ from contextlib import aclosing
 from typing import Any
 
 from ingot.engine import scoring
-from ingot.engine.async_engine import AsyncLLM
 from ingot.engine.outputs import PoolingRequestOutput
+from ingot.engine.protocol import EngineClient
 from ingot.entrypoints.openai.access_log import record_usage
 from ingot.entrypoints.openai.protocol import (
     ClassificationRequest,
@@ -42,11 +42,11 @@ def _usage(prompt_tokens: int) -> dict[str, int]:
 
 
 class OpenAIServingPooling:
-    def __init__(self, engine: AsyncLLM, served_model_name: str) -> None:
+    def __init__(self, engine: EngineClient, served_model_name: str) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
-        self.model_config = engine.engine.model_config
-        self.tokenizer = engine.engine.tokenizer
+        self.model_config = engine.model_config
+        self.tokenizer = engine.tokenizer
 
     def check_pooling(self, route: str) -> None:
         """A generative model answers the pooling routes with a 400 naming the flag."""
@@ -80,7 +80,7 @@ class OpenAIServingPooling:
     async def _run(
         self, prompts: list[Any], params: PoolingParams, prefix: str
     ) -> list[PoolingRequestOutput]:
-        streams = [self.engine.generate(p, params, f"{prefix}-{i}") for i, p in enumerate(prompts)]
+        streams = [self.engine.encode(p, params, f"{prefix}-{i}") for i, p in enumerate(prompts)]
         finals: dict[int, PoolingRequestOutput] = {}
         async with aclosing(merge(streams)) as outs:
             async for i, out in outs:
