@@ -4,8 +4,8 @@ model, from process start to ready (engine built), first token and exit.
 Each run is a fresh process (``python bench/startup_oneshot.py --child ...``) that runs the
 real CLI with timers wrapped around the start-up phases: weight loading (``load_model``, and
 ``bind``, which packs the weights for the kernels), KV cache allocation
-(``allocate_kv_cache``), warmup (``ModelRunner.warm_up_eager``), and the first engine step that
-produced a token. ``--server-sized`` passes the engine defaults a server
+(``allocate_kv_cache``), warmup (``EagerProgram.warm_up``, worker/execution/program.py), and the
+first engine step that produced a token. ``--server-sized`` passes the engine defaults a server
 uses (max_num_seqs 256, token budget 2048) as flags, which is what `generate` ran before it was
 sized to its one prompt.
 
@@ -32,7 +32,8 @@ def child(spawned_at: float, extra: list[str]) -> None:
     from ingot.cli import main as cli
     from ingot.engine.llm_engine import LLMEngine
     from ingot.entrypoints.llm import LLM
-    from ingot.worker import model_runner, worker
+    from ingot.worker import worker
+    from ingot.worker.execution import program
 
     imported = time.time()  # interpreter start + ingot, torch and the engine's modules
 
@@ -54,7 +55,7 @@ def child(spawned_at: float, extra: list[str]) -> None:
     timed(worker, "load_model", "load_s")
     timed(worker, "bind", "load_s")  # packing the weights for the kernels: part of loading
     timed(worker, "allocate_kv_cache", "kv_alloc_s")
-    timed(model_runner.ModelRunner, "warm_up_eager", "warmup_s")
+    timed(program.EagerProgram, "warm_up", "warmup_s")
     llm_init = LLM.__init__
 
     def init(self: LLM, *args: object, **kwargs: object) -> None:

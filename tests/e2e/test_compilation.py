@@ -99,7 +99,7 @@ def test_warm_start_from_ingot_compile_compiles_nothing_and_matches_eager(
     stats = _compile_stats(llm)
     assert stats["compilations"] == 0 and stats["cache_hits"] == stats["graphs"] == 3
     assert stats["backend_calls"] == 0  # precompiled buckets: not even a Dynamo trace
-    warm_seconds = llm.llm_engine.engine_core.executor.worker.compiler.summary.seconds
+    warm_seconds = llm.llm_engine.engine_core.executor.worker.program.compiler.summary.seconds
     # The count above is the real evidence; the ratio is loose (a loaded 2-core machine).
     assert cold_seconds >= 5 * warm_seconds, (cold_seconds, warm_seconds, ready)
 
@@ -116,7 +116,7 @@ def test_warm_start_from_ingot_compile_compiles_nothing_and_matches_eager(
     logits = []
     for engine in (llm, eager):
         runner = engine.llm_engine.engine_core.executor.worker.model_runner
-        with runner.grad_mode():  # as the runner does (same tensor kinds, same guards)
+        with runner.program.grad_mode():  # as the runner does (same tensor kinds, same guards)
             ids, pos, meta, _ = runner.prepare_inputs(step)
             hidden = runner.model(ids, pos, runner.kv_caches, meta)
             logits.append(runner.model.compute_logits(hidden[:100]))
@@ -154,7 +154,7 @@ def test_remote_tier_start_and_corrupt_entry(cold_compile, tiny_llama_dir, tmp_p
     isolated_env.setenv("INGOT_REMOTE_CACHE", str(remote))
     local = tmp_path / "local"  # empty: no Inductor cache, no entry
     llm = _llm(tiny_llama_dir, compile=True, cache_dir=str(local))
-    compiler = llm.llm_engine.engine_core.executor.worker.compiler
+    compiler = llm.llm_engine.engine_core.executor.worker.program.compiler
     assert compiler.summary.cache_result == "remote"
     assert _compile_stats(llm)["compilations"] == 0
     del llm
@@ -167,6 +167,6 @@ def test_remote_tier_start_and_corrupt_entry(cold_compile, tiny_llama_dir, tmp_p
     with caplog.at_level(logging.WARNING, logger="ingot"):
         llm = _llm(tiny_llama_dir, compile=True, cache_dir=str(local))
     assert "checksum mismatch" in caplog.text
-    compiler = llm.llm_engine.engine_core.executor.worker.compiler
+    compiler = llm.llm_engine.engine_core.executor.worker.program.compiler
     assert compiler.summary.cache_result == "built" and compiler.cache.stats.compiles == 1
     assert compiler.cache.contains(compiler.key)

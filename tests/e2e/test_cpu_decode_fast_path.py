@@ -1,6 +1,7 @@
-"""The CPU-kernel attention backend's decode program (layers/cpu_decode_program.py): the same
-kernel calls as the module path (GEMV up to 3 rows, oneDNN above), so the same tokens and
-logprobs at every batch size, and out of the way whenever a hook is installed."""
+"""The CPU-kernel attention backend's decode program (layers/cpu_decode_program.py), run by the
+worker's step program (worker/execution/decode_program.py): the same kernel calls as the module
+path (GEMV up to 3 rows, oneDNN above), so the same tokens and logprobs at every batch size, and
+out of the way whenever a hook is installed."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def engine(request, tmp_path_factory):
                     num_key_value_heads=2, intermediate_size=160)
     make_byte_tokenizer(path)
     llm = LLM(model=str(path), dtype="bfloat16", max_model_len=256, max_num_seqs=4)
-    return llm, llm.llm_engine.engine_core.executor.worker.model_runner.model
+    return llm, llm.llm_engine.engine_core.executor.worker.model_runner
 
 
 def _run(llm, prompt):
@@ -49,8 +50,9 @@ def _count_calls(fast):
 
 @pytest.mark.parametrize("batch", [1, 2, 4])  # rows 1 and 2: ingot's GEMV; 4: oneDNN
 def test_fast_path_equals_the_module_path_bit_for_bit(engine, batch):
-    llm, model = engine
-    fast = model.decode_program
+    llm, runner = engine
+    program = runner.program
+    fast = program.decode_program
     assert fast is not None
     prompts = [list(range(3 + i, 40 + 3 * i)) for i in range(batch)]
     calls, forward = _count_calls(fast)
@@ -59,18 +61,20 @@ def test_fast_path_equals_the_module_path_bit_for_bit(engine, batch):
     finally:
         fast.forward = forward
     assert calls["n"] == 23  # every decode step after the prefills' tokens
-    model.decode_program = None
+    runner.program = program.inner  # the program it wraps: the modules, every step
     try:
+        assert runner.program.decode_program is None
         want = _run_batch(llm, prompts)
     finally:
-        model.decode_program = fast
+        runner.program = program
     # Same kernels, same order: identical tokens and logprobs, not just close.
     assert got == want
 
 
 def test_hooks_take_the_module_path(engine):
-    llm, model = engine
-    fast = model.decode_program
+    llm, runner = engine
+    model = runner.model
+    fast = runner.program.decode_program
     calls, forward = _count_calls(fast)
     seen = []
     handle = model.model.layers[0].mlp.register_forward_hook(lambda m, i, o: seen.append(o.shape))
@@ -90,8 +94,9 @@ def test_hooks_take_the_module_path(engine):
 def test_a_corrupted_weight_pointer_would_be_seen(engine):
     """Broken case: the fast path really reads its own resolved weights (a zeroed layer-0
     gate-up copy changes the output), so the equality above is not a tautology."""
-    llm, model = engine
-    fast = model.decode_program
+    llm, runner = engine
+    model = runner.model
+    fast = runner.program.decode_program
     packed = model.model.layers[0].mlp.gate_up_proj.gemv_weight
     saved = packed.clone()
     prompt = list(range(3, 40))
@@ -103,7 +108,7 @@ def test_a_corrupted_weight_pointer_would_be_seen(engine):
     finally:
         with torch.no_grad():
             packed.copy_(saved)
-    assert fast is model.decode_program
+    assert fast is runner.program.decode_program
     assert after != before
 
 
@@ -115,7 +120,8 @@ def test_packed_linears_hold_one_copy_per_kernel_layout(engine):
     from ingot.model_executor.layers.cpu_kernels import gemm_preferred
     from ingot.model_executor.layers.linear import LinearBase, resident_weight_bytes
 
-    llm, model = engine
+    llm, runner = engine
+    model = runner.model
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     for lin in linears:

@@ -61,10 +61,10 @@ def _decode_steps(llm: LLM) -> int:
 def test_cuda_graph_decode_matches_eager(tiny_llama_dir):
     """Not eager, not compiled: every decode bucket captured and replayed as a CUDA graph."""
     graphed = _llm(tiny_llama_dir, compile=False)
-    graphs = _worker(graphed).model_runner.decode_graphs
+    graphs = _worker(graphed).model_runner.program.decode_graphs
     assert graphs is not None and len(graphs.graphs) >= 3
     eager = _llm(tiny_llama_dir, enforce_eager=True)
-    assert _worker(eager).model_runner.decode_graphs is None
+    assert _worker(eager).model_runner.program.decode_graphs is None
     prompts, params = _random_requests(100, seed=3)
     got = graphed.generate(prompts, params, use_tqdm=False)
     want = eager.generate(prompts, params, use_tqdm=False)
@@ -87,7 +87,8 @@ def test_compiled_on_cuda_matches_eager_and_never_recompiles(tiny_llama_dir, tmp
     assert after["compilations"] == stats["compilations"]
     assert after["calls_after_warmup"] == 0
     # Compiled layers inside the captured decode graphs.
-    assert _worker(compiled).model_runner.decode_graphs.replays == _decode_steps(compiled) > 50
+    graphs = _worker(compiled).model_runner.program.decode_graphs
+    assert graphs.replays == _decode_steps(compiled) > 50
 
     # A second start on the same cache compiles nothing.
     warm = _llm(tiny_llama_dir, compile=True, cache_dir=str(tmp_path))

@@ -258,7 +258,7 @@ def test_kernel_sized_model_takes_the_cpu_decode_path(kernel_sized_dir):
 
 
     def uses_fast_path(worker) -> bool:  # noqa: ANN001
-        return worker.model_runner.model.decode_program is not None
+        return worker.model_runner.program.decode_program is not None
 
     engine = _engine(kernel_sized_dir, 8, dtype="bfloat16")
     assert engine.collective_rpc(uses_fast_path) == [True]

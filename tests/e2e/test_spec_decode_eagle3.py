@@ -146,6 +146,8 @@ def test_cpu_decode_path_leaves_the_same_aux_states(tmp_path):
     from ingot.model_executor.layers.attention import AttentionMetadata
     from ingot.model_executor.layers.attention_backend import select_attention_backend
     from ingot.model_executor.loader.model_loader import load_model
+    from ingot.worker.execution.decode_program import BackendDecodeProgram
+    from ingot.worker.execution.program import EagerProgram
 
     make_tiny_model("llama", tmp_path, vocab_size=VOCAB, num_hidden_layers=8,
                     num_attention_heads=2, num_key_value_heads=1)
@@ -154,18 +156,19 @@ def test_cpu_decode_path_leaves_the_same_aux_states(tmp_path):
     backend = select_attention_backend(torch.device("cpu"), torch.bfloat16, torch.bfloat16,
                                        False, attention_heads(model))
     kernels = select_kernels(model, torch.bfloat16, torch.device("cpu"))
-    assert bind(model, backend, kernels).decode_program is not None
+    fast = bind(model, backend, kernels).decode_program
+    assert fast is not None
     model.model.aux_hidden_state_layers = (2, 4, 5)
     shape = (2, 8, 4, 1, 32)
     results = []
-    for fast in (model.decode_program, None):
+    # The decode program's path, then the modules' (the program it wraps).
+    for program in (BackendDecodeProgram(EagerProgram(model), fast), EagerProgram(model)):
         kv = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(8)]
-        model.decode_program = fast
         pos = torch.tensor([0, 0])
         meta = AttentionMetadata.build(pos, [1, 1], torch.tensor([4, 8]),
                                        torch.tensor([[1], [2]]), block_size=4, is_decode=True)
         with torch.inference_mode():
-            model(torch.tensor([7, 40]), pos, kv, meta)
+            program.forward(torch.tensor([7, 40]), pos, kv, meta)
         results.append(model.model.aux_hidden_states.clone())
     assert results[0].shape == (2, 3 * H)
     assert torch.equal(results[0], results[1])

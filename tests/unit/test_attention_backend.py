@@ -126,7 +126,7 @@ def _bound(path, dtype):
         layers = [m for m in model.modules() if isinstance(m, AttentionBindable)]
         names = {m.attn_backend.name for m in layers}
         return (worker.attn_backend.name, names, len(layers),
-                getattr(model, "decode_program", None) is not None)
+                worker.model_runner.program.decode_program is not None)
 
     (result,) = llm.llm_engine.collective_rpc(report)
     return result

@@ -8,7 +8,7 @@ import torch
 
 from ingot.compilation.cache import CompileCacheMissError
 from ingot.engine.arg_utils import EngineArgs
-from ingot.worker.model_compiler import ModelCompiler
+from ingot.worker.execution.model_compiler import ModelCompiler
 from ingot.worker.warmup import warmup_scheduler_output, warmup_shapes
 from ingot.worker.worker import Worker
 
@@ -85,7 +85,7 @@ def test_backend_pipeline_matches_eager_and_layers_share_one_graph(
     with torch.inference_mode():
         eager = [runner.model(i, p, runner.kv_caches, m) for i, p, m in inputs]
 
-    compiler = ModelCompiler(cfg, runner, progress=False)
+    compiler = ModelCompiler(cfg, runner.model.model.layers, runner.device, progress=False)
 
     def run_fx(gm, example_inputs):  # the passes' output, executed as plain FX
         return gm.forward

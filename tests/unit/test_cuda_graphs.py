@@ -1,4 +1,5 @@
-"""Decode-bucket graph capture and replay (worker/cuda_graphs.py), on the CPU.
+"""Decode-bucket graph capture and replay (worker/execution/cuda_graphs.py and its step
+program, cuda_graph_program.py), on the CPU.
 
 A stand-in "graph" re-runs the captured closure into the captured output buffer on replay: the
 same contract as a CUDA graph (static inputs in, static output out), so these tests check what
@@ -14,7 +15,8 @@ import pytest
 import torch
 
 from ingot import LLM, SamplingParams
-from ingot.worker import cuda_graphs
+from ingot.worker.execution import cuda_graphs
+from ingot.worker.execution.cuda_graph_program import CudaGraphProgram
 from ingot.worker.warmup import warmup_shapes
 
 
@@ -57,11 +59,20 @@ def _runner(llm: LLM):
     return llm.llm_engine.engine_core.executor.worker.model_runner
 
 
+def _capture(runner):
+    """Wrap the runner's step program in a CUDA-graph program recording stand-in graphs (as
+    the selection does on a CUDA engine) and capture every decode bucket now."""
+    program = CudaGraphProgram(runner.program, runner.config, capture=fake_capture)
+    graphs = program.capture(runner)
+    runner.program = program
+    return graphs
+
+
 def test_replayed_decode_equals_the_plain_forward(tiny_llama_dir, reference):
     prompts, params, want = reference
     llm = LLM(str(tiny_llama_dir), **ENGINE)
     runner = _runner(llm)
-    graphs = runner.capture_decode_graphs(fake_capture)
+    graphs = _capture(runner)
     decode_shapes = [s for s in warmup_shapes(runner.config) if s.kind == "decode"]
     assert sorted(graphs.graphs) == sorted((s.num_reqs, s.width) for s in decode_shapes)
     assert all(kv[:, 0].abs().sum() == 0 for kv in runner.kv_caches)  # null block clean
@@ -77,7 +88,7 @@ def test_a_graph_that_keeps_stale_inputs_is_caught(tiny_llama_dir, reference, mo
     prompts, params, want = reference
     llm = LLM(str(tiny_llama_dir), **ENGINE)
     monkeypatch.setattr(cuda_graphs, "_copy_meta", lambda dst, src: None)
-    _runner(llm).capture_decode_graphs(fake_capture)
+    _capture(_runner(llm))
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert got != want
 
@@ -85,7 +96,7 @@ def test_a_graph_that_keeps_stale_inputs_is_caught(tiny_llama_dir, reference, mo
 def test_replay_rejects_a_step_unlike_its_bucket(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), **ENGINE)
     runner = _runner(llm)
-    graphs = runner.capture_decode_graphs(fake_capture)
+    graphs = _capture(runner)
     from ingot.worker.warmup import warmup_scheduler_output
 
     shape = next(s for s in warmup_shapes(runner.config) if s.kind == "decode")
@@ -109,7 +120,7 @@ def test_graphs_follow_the_platform_and_enforce_eager(tiny_llama_dir):
 
     assert config(device="cpu").cuda_graphs is False
     llm = LLM(str(tiny_llama_dir), **ENGINE)
-    assert _runner(llm).decode_graphs is None  # the CPU engine captures nothing by default
+    assert _runner(llm).program.decode_graphs is None  # the CPU engine captures nothing by default
     if torch.cuda.is_available():
         assert config(device="cuda").cuda_graphs is True
         assert config(device="cuda", enforce_eager=True).cuda_graphs is False

@@ -5,7 +5,7 @@ dimension is specialised). The backend runs the FX pass manager (device rewrite,
 rewrite, in-place -> out-of-place, then the in-graph copy-back so the KV cache is still updated
 in place by Inductor) and lowers the result with ``compile_fx``. CUDA graphs are not Inductor's
 business here: its cudagraph trees refuse graphs that mutate an input (the KV cache), so the
-worker captures the whole decode forward per bucket itself (worker/cuda_graphs.py).
+worker captures the whole decode forward per bucket itself (worker/execution/cuda_graphs.py).
 
 What counts as a *compilation* is a real Inductor compile: ``compile_fx`` that was not served by
 Inductor's FX graph cache (its ``fxgraph_cache_miss``/``fxgraph_cache_bypass`` counters move).

@@ -6,8 +6,9 @@ What is chosen stays where it is chosen: :func:`select_kernels` decides how the 
 packed and on which CPU ingot's libraries are offered (each library picks its own ISA when it
 loads, a packed linear GEMV or GEMM by its row count), :func:`~ingot.model_executor.layers.
 attention_backend.select_attention_backend` picks the backend. :func:`bind` only hands the
-results out, through typed interfaces: ``KernelBindable`` (layers/bindable.py),
-``AttentionBindable`` and ``RunsDecodeProgram`` (layers/attention_backend.py).
+results out, through typed interfaces: ``KernelBindable`` (layers/bindable.py) and
+``AttentionBindable`` (layers/attention_backend.py), and builds the backend's decode program for
+the bound model, which it returns for the worker to choose how steps run (worker/execution/).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -23,7 +23,7 @@ from torch import nn
 from ingot.model_executor.layers.attention_backend import (
     AttentionBackend,
     AttentionBindable,
-    RunsDecodeProgram,
+    DecodeProgram,
 )
 from ingot.model_executor.layers.bindable import KernelBindable, Kernels
 from ingot.model_executor.layers.cpu_kernels import onednn_f32_preferred
@@ -56,8 +56,8 @@ class Bound:
 
     #: Layers that run any of ingot's kernels.
     kernel_layers: int
-    #: The model's decode program (None: the backend has none for it, or the model runs none).
-    decode_program: Any
+    #: The backend's decode program for the model (None: it has none for this model).
+    decode_program: DecodeProgram | None
 
 
 def _post_order(module: nn.Module, seen: set[int] | None = None) -> Iterator[nn.Module]:
@@ -84,8 +84,8 @@ def _mark_shared_parameters(model: nn.Module) -> None:
 
 def bind(model: nn.Module, backend: AttentionBackend, kernels: Kernels) -> Bound:
     """Give every layer of ``model`` its share of ``kernels`` (linears pack their weights for
-    them) and every attention layer ``backend``; then the model its decode program, built from
-    the bound layers. Once per model, after loading."""
+    them) and every attention layer ``backend``; then build the backend's decode program from
+    the bound layers (returned, not set on the model). Once per model, after loading."""
     if kernels.pack is not None:
         _mark_shared_parameters(model)
     taken = 0
@@ -94,10 +94,7 @@ def bind(model: nn.Module, backend: AttentionBackend, kernels: Kernels) -> Bound
             taken += bool(module.bind_kernels(kernels))
         if isinstance(module, AttentionBindable):
             module.bind_attention(backend)
-    program = None
-    if isinstance(model, RunsDecodeProgram):
-        program = model.decode_program = backend.decode_program(model)
-    return Bound(taken, program)
+    return Bound(taken, backend.decode_program(model))
 
 
 def attention_heads(model: nn.Module) -> tuple[int, int, int] | None:

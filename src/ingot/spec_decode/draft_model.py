@@ -24,8 +24,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from ingot.model_executor.layers.attention import AttentionMetadata
 from ingot.model_executor.layers.sampler import greedy_argmax
 from ingot.spec_decode.metadata import drafter_metadata
+
+#: How the draft's steps run: the worker's step program for it (its modules, or for the decode
+#: steps it serves its attention backend's decode program): hidden states.
+DraftForward = Callable[[torch.Tensor, torch.Tensor, list[torch.Tensor], AttentionMetadata],
+                        torch.Tensor]
 
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
@@ -37,9 +43,10 @@ def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
 
 
 class DraftModelProposer:
-    def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], k: int, block_size: int,
-                 max_model_len: int, device: torch.device) -> None:
-        self.model, self.kv_caches, self.k = model, kv_caches, k
+    def __init__(self, model: nn.Module, forward: DraftForward, kv_caches: list[torch.Tensor],
+                 k: int, block_size: int, max_model_len: int, device: torch.device) -> None:
+        """``forward``: runs the draft's steps (``model`` computes the logits)."""
+        self.model, self.forward, self.kv_caches, self.k = model, forward, kv_caches, k
         self.block_size, self.max_model_len, self.device = block_size, max_model_len, device
         # Per request: positions whose K/V is valid, and the tokens they were computed for.
         self._computed: dict[str, int] = {}
@@ -55,7 +62,7 @@ class DraftModelProposer:
         pos = torch.tensor(positions, dtype=torch.int64)
         meta = drafter_metadata(pos, query_lens, tables, self.block_size, self.device, is_decode)
         ids_t = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        return self.model(ids_t, pos.to(self.device), self.kv_caches, meta)
+        return self.forward(ids_t, pos.to(self.device), self.kv_caches, meta)
 
     def _argmax(self, hidden: torch.Tensor) -> list[int]:
         return greedy_argmax(self.model.compute_logits(hidden)).tolist()

@@ -16,11 +16,7 @@ counts a synchronous fallback.
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
@@ -51,8 +47,9 @@ from ingot.spec_decode.draft_model import DraftModelProposer
 from ingot.spec_decode.eagle3 import Eagle3Proposer, StepRows
 from ingot.spec_decode.ngram import NgramProposer
 from ingot.utils.math_utils import cdiv
-from ingot.worker.cuda_graphs import CaptureFn, DecodeGraphs
+from ingot.worker.execution.program import EagerProgram, StepProgram
 from ingot.worker.input_batch import InputBatch
+from ingot.worker.warmup import WarmupShape, warmup_scheduler_output
 
 logger = logging.getLogger("ingot")
 
@@ -102,13 +99,18 @@ class ModelRunner:
         device: torch.device,
         draft: tuple[nn.Module, list[torch.Tensor]] | None = None,
         attn_backend: AttentionBackend = TORCH_ATTENTION,
+        program: StepProgram | None = None,
+        draft_program: StepProgram | None = None,
     ) -> None:
         """``draft``: speculative decoding's drafter (a draft model or an EAGLE3 head) and its
         KV cache. ``attn_backend``: the backend bound to ``model`` (it builds each step's
-        attention metadata)."""
+        attention metadata). ``program`` / ``draft_program``: how the model's / a draft
+        model's steps run (worker/execution/; default: their modules)."""
         self.config = config
         self.attn_backend = attn_backend
         self.model = model
+        #: How every step of the model runs (chosen once, by the worker).
+        self.program = program if program is not None else EagerProgram(model)
         self.kv_caches = kv_caches
         self.device = device
         self.block_size = config.cache_config.block_size
@@ -126,10 +128,6 @@ class ModelRunner:
         self.input_batch = InputBatch(sched.max_num_seqs,
                                       cdiv(sched.max_model_len + lookahead, self.block_size))
         self.grid = config.buckets
-        self.decode_graphs: DecodeGraphs | None = None
-        #: Autograd-free mode of every forward. Precompiled layers switch it to no_grad: their
-        #: saved guards expect ordinary tensors (torch restores them without inference mode).
-        self.grad_mode: Callable[[], AbstractContextManager[Any]] = torch.inference_mode
         #: A pooling runner pools instead of computing logits and sampling (layers/pooler.py).
         pooler_config = config.model_config.pooler_config
         self.pooler = Pooler(pooler_config.pooling_type, model) if pooler_config else None
@@ -148,60 +146,30 @@ class ModelRunner:
                                           config.model_config.max_model_len)
         elif spec is not None:
             assert draft is not None, "a draft model proposer needs the draft and its cache"
-            cls = Eagle3Proposer if spec.method == "eagle3" else DraftModelProposer
-            self.proposer = cls(draft[0], draft[1], spec.num_speculative_tokens,
-                                self.block_size, config.model_config.max_model_len, device)
-            if spec.method == "eagle3":
+            args = (spec.num_speculative_tokens, self.block_size,
+                    config.model_config.max_model_len, device)
+            if spec.method != "eagle3":
+                # The draft's steps run its program (its decode program's fast path included).
+                forward = (draft_program if draft_program is not None
+                           else EagerProgram(draft[0])).forward
+                self.proposer = DraftModelProposer(draft[0], forward, draft[1], *args)
+            else:
+                self.proposer = Eagle3Proposer(draft[0], draft[1], *args)
                 # The target leaves the inputs of these layers for the head.
                 model.model.aux_hidden_state_layers = tuple(spec.aux_layer_ids)
                 if draft[0].shares_target_embedding:
                     draft[0].embed_tokens = model.model.embed_tokens
 
-    def capture_decode_graphs(self, capture: CaptureFn | None = None) -> DecodeGraphs:
-        """Capture every decode bucket of the grid (largest first, as the later, smaller graphs
-        then fit in the memory pool the first ones grew); decode steps replay them from now on."""
-        from ingot.worker.warmup import warmup_scheduler_output, warmup_shapes
-
-        graphs = DecodeGraphs(lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta),
-                              capture)
-        shapes = [s for s in warmup_shapes(self.config) if s.kind == "decode"]
-        with self.grad_mode():
-            for shape in sorted(shapes, key=lambda s: (-s.num_reqs, -s.width)):
-                ids, positions, meta, _ = self.prepare_inputs(warmup_scheduler_output(shape))
-                graphs.capture(ids, positions, meta)
-            self.forget_dummy_steps()
-        self.decode_graphs = graphs
-        logger.info("CUDA graphs: %d decode buckets captured in %.1f s", len(graphs.graphs),
-                    graphs.capture_seconds)
-        return graphs
-
-    def warm_up_eager(self) -> float:
-        """One dummy step per row count the linear layers will see (each prefill bucket from
-        position 0, each decode batch bucket at its narrowest context), so that oneDNN's
-        just-in-time kernels for those shapes, and the first touch of the activations' memory,
-        happen before the engine reports ready instead of in the first requests of each size.
-        Returns the seconds it took."""
-        from ingot.utils.progress import progress
-        from ingot.worker.warmup import warmup_scheduler_output, warmup_shapes
-
-        start = time.perf_counter()
-        seen: set[tuple[str, int]] = set()
-        shapes = warmup_shapes(self.config)
-        with self.grad_mode():
-            for shape in progress(shapes, "warmup", total=len(shapes), unit="shape"):
-                rows = (shape.kind, shape.num_tokens)
-                if rows in seen or (shape.kind == "prefill" and shape.start_position > 0):
-                    continue
-                if shape.kind == "decode" and self.pooler is not None:
-                    continue  # a pooling runner never decodes
-                seen.add(rows)
-                ids, positions, meta, _ = self.prepare_inputs(warmup_scheduler_output(shape))
-                self.model(ids, positions, self.kv_caches, meta)
-            self.forget_dummy_steps()
-        return time.perf_counter() - start
+    def dummy_step(
+        self, shape: WarmupShape
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The inputs of a warm-up's dummy step of ``shape`` (worker/warmup.py), built by
+        ``prepare_inputs`` itself so that warm-ups see exactly what serving will."""
+        input_ids, positions, meta, _ = self.prepare_inputs(warmup_scheduler_output(shape))
+        return input_ids, positions, meta
 
     def forget_dummy_steps(self) -> None:
-        """After warmup or graph capture (before any request): the dummy steps wrote K/V into
+        """After a warm-up (before any request): the dummy steps wrote K/V into
         the null block; zero it again (masked-out reads must see zeros), and drop the dummy
         requests."""
         for kv_cache in self.kv_caches:
@@ -377,13 +345,13 @@ class ModelRunner:
     def execute_dummy_batch(self, num_padded: int | None = None) -> None:
         """Run the model on ``dummy_batch_inputs`` (no logits, no sampling): the replica's
         MoE layers take part in the step's collectives with the same shapes as the others'."""
-        with self.grad_mode():
+        with self.program.grad_mode():
             input_ids, positions, meta, _ = self.dummy_batch_inputs(num_padded)
-            self.model(input_ids, positions, self.kv_caches, meta)
+            self.program.forward(input_ids, positions, self.kv_caches, meta)
         self.dummy_steps += 1
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        with self.grad_mode():
+        with self.program.grad_mode():
             return self._execute_model(so)
 
     def _execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -399,17 +367,10 @@ class ModelRunner:
         self, so: SchedulerOutput, input_ids: torch.Tensor, positions: torch.Tensor,
         meta: AttentionMetadata, last_rows: list[int],
     ) -> ModelRunnerOutput:
-        hidden = None
-        if (self.decode_graphs is not None and meta.is_decode and not meta.rows_share_sequences
-                and not isinstance(self.proposer, Eagle3Proposer)):  # a replay leaves no aux
-            hidden = self.decode_graphs.replay(input_ids, positions, meta)
-        embeds = None
+        embeds: tuple[torch.Tensor, ...] = ()
         if so.is_prefill and self.config.model_config.enable_prompt_embeds:
-            embeds = self._prompt_embeds_inputs(so, input_ids.shape[0])
-        if hidden is None and embeds is not None:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, *embeds)
-        if hidden is None:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            embeds = self._prompt_embeds_inputs(so, input_ids.shape[0]) or ()
+        hidden = self.program.forward(input_ids, positions, self.kv_caches, meta, embeds)
         if self.pooler is not None:  # no logits, no sampling
             return ModelRunnerOutput([], [], pooler_output=self._pool(hidden, so, last_rows))
 

@@ -1,11 +1,16 @@
 """The shapes a worker warms up: every distinct bucket shape ``ModelRunner.prepare_inputs``
-can produce, and a dummy step of each. The eager warm-up and the compiler both run them."""
+can produce, and a dummy step of each. The step programs' warm-ups (worker/execution/: eager,
+compiled, CUDA graphs) run them through :class:`DummySteps`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
+
+import torch
 
 from ingot.config import EngineConfig
+from ingot.model_executor.layers.attention import AttentionMetadata
 from ingot.sampling_params import SamplingParams
 from ingot.sched_output import NULL_BLOCK_ID, NewRequestData, ScheduledRequest, SchedulerOutput
 from ingot.utils.math_utils import cdiv
@@ -32,6 +37,24 @@ class WarmupShape:
     @property
     def signature(self) -> tuple[int, int, int]:
         return (self.num_tokens, self.num_reqs, self.width)
+
+
+class DummySteps(Protocol):
+    """What a warm-up needs of the model runner (``ModelRunner`` is one), and nothing more: the
+    KV caches, a dummy step's inputs built exactly as serving builds a step's, and a way to
+    forget the dummy steps afterwards."""
+
+    kv_caches: list[torch.Tensor]
+
+    def dummy_step(
+        self, shape: WarmupShape
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input ids, positions, metadata) of a dummy step of ``shape``."""
+        ...
+
+    def forget_dummy_steps(self) -> None:
+        """Undo what the dummy steps left (the null block's K/V, the dummy requests)."""
+        ...
 
 
 def warmup_shapes(config: EngineConfig) -> list[WarmupShape]:

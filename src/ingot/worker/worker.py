@@ -18,14 +18,14 @@ import torch
 from ingot.config import EngineConfig, ProfilerConfig
 from ingot.distributed.layouts import kv_heads_per_rank
 from ingot.distributed.parallel_state import tp_collectives
-from ingot.model_executor.binding import attention_heads, bind, select_kernels
+from ingot.model_executor.binding import Bound, attention_heads, bind, select_kernels
 from ingot.model_executor.layers.attention_backend import (
     TORCH_ATTENTION,
     AttentionBackend,
     select_attention_backend,
 )
 from ingot.model_executor.layers.cpu_kernels import bind_openmp_team
-from ingot.model_executor.layers.linear import resident_weight_bytes, runs_onednn_linears
+from ingot.model_executor.layers.linear import resident_weight_bytes
 from ingot.model_executor.loader.model_loader import load_model
 from ingot.model_executor.models.llama import head_dim_of
 from ingot.platforms import resolve_platform
@@ -33,6 +33,8 @@ from ingot.platforms.cpu_threads import start_cpu_threads
 from ingot.runner_output import ModelRunnerOutput
 from ingot.sched_output import SchedulerOutput
 from ingot.utils.math_utils import cdiv
+from ingot.worker.execution.program import StepProgram
+from ingot.worker.execution.select import select_step_program
 from ingot.worker.kv_budget import (
     cap_fraction_from_env,
     compute_kv_budget,
@@ -222,8 +224,9 @@ def rank_thread_config(config: EngineConfig, rank: int) -> EngineConfig:
 class Worker:
     """Lifecycle, driven by an executor: ``determine_num_blocks`` (load the model, plan the KV
     cache from the memory budget), then ``initialize_cache(num_blocks)`` with the count the
-    executor agreed on (the minimum over workers), which allocates the cache and compiles or
-    warms up every bucket; then ``execute_model`` per step."""
+    executor agreed on (the minimum over workers), which allocates the cache, chooses how steps
+    run (the step program, worker/execution/) and warms it up; then ``execute_model`` per
+    step."""
 
     def __init__(self, config: EngineConfig, rank: int = 0,
                  distributed_init_method: str | None = None) -> None:
@@ -267,14 +270,16 @@ class Worker:
         start = time.perf_counter()
         self.model = load_model(config.model_config, self.device)
         # Compiled layers run on their plain weights: packing keeps them beside the copies.
-        self.attn_backend = self._bind(self.model, config.model_config.dtype,
-                                       keep_plain=config.compilation.enabled)
+        self.attn_backend, self.bound = self._bind(self.model, config.model_config.dtype,
+                                                   keep_plain=config.compilation.enabled)
         # Speculative decoding's draft model, beside the target (its heads may differ).
         spec = config.speculative_config
         self.draft_model = None
+        self.draft_bound: Bound | None = None
         if spec is not None and spec.draft_model_config is not None:
             self.draft_model = load_model(spec.draft_model_config, self.device)
-            self._bind(self.draft_model, spec.draft_model_config.dtype, keep_plain=False)
+            _, self.draft_bound = self._bind(self.draft_model, spec.draft_model_config.dtype,
+                                             keep_plain=False)
         self.load_seconds = time.perf_counter() - start  # loading and binding (packing)
         # What the weights occupy, the kernels' derived layouts included (the KV budget is
         # what memory they leave).
@@ -289,13 +294,16 @@ class Worker:
         self.num_blocks = 0
         self.kv_caches: list[torch.Tensor] = []
         self.model_runner: ModelRunner | None = None
+        #: How the model's steps run (chosen in initialize_cache).
+        self.program: StepProgram | None = None
         self.compile_seconds = 0.0
-        self.compiler: Any = None
         self.warmup_seconds = 0.0
 
-    def _bind(self, model: torch.nn.Module, dtype: torch.dtype, keep_plain: bool) -> AttentionBackend:
+    def _bind(self, model: torch.nn.Module, dtype: torch.dtype,
+              keep_plain: bool) -> tuple[AttentionBackend, Bound]:
         """The one binding step of a loaded model: its kernels and its attention backend,
-        each chosen once here, handed to its layers by ``bind``. Returns the backend."""
+        each chosen once here, handed to its layers by ``bind``. Returns the backend and what
+        binding built (the backend's decode program for the model)."""
         kernels = select_kernels(model, dtype, self.device, keep_plain)
         heads = attention_heads(model)
         # An encoder's attention is not over a KV cache: no backend to choose.
@@ -312,7 +320,7 @@ class Worker:
                         ", compiled" if self.config.compilation.enabled else "",
                         "; decode steps run its decode program"
                         if bound.decode_program is not None else "")
-        return backend
+        return backend, bound
 
     def determine_num_blocks(self) -> int:
         # Memory still free now, plus what the weights took: the total before loading.
@@ -337,25 +345,19 @@ class Worker:
         if self.kv_dtype == torch.float8_e4m3fn:
             self._set_fp8_scales()
         draft = (self.draft_model, draft_caches) if self.draft_model is not None else None
+        self.program = select_step_program(config, self.model, self.device,
+                                           self.bound.decode_program, self.draft_model)
+        draft_program = None  # a draft model's (an EAGLE3 head runs inside its proposer)
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model" and self.draft_bound is not None:
+            draft_program = select_step_program(config, self.draft_model, self.device,
+                                                self.draft_bound.decode_program, drafter=True)
         self.model_runner = ModelRunner(config, self.model, self.kv_caches, self.device, draft,
-                                        self.attn_backend)
-        # Compile every bucket before the engine reports ready (nothing compiles while serving).
-        if config.compilation.enabled:
-            from ingot.worker.model_compiler import ModelCompiler
-
-            self.compiler = ModelCompiler(config, self.model_runner)
-            self.compile_seconds = self.compiler.compile_and_warmup().seconds
-        if config.compilation.cuda_graphs:
-            self.model_runner.capture_decode_graphs()
-        if not config.compilation.enabled and self.device.type == "cpu":
-            models = [self.model] + ([self.draft_model] if self.draft_model is not None else [])
-            if any(runs_onednn_linears(m) for m in models):
-                self.warmup_seconds = self.model_runner.warm_up_eager()
-                logger.info("warmup: one dummy step per bucket's row count, %.1f s",
-                            self.warmup_seconds)
-            else:  # the default model on CPUs without AMX: ~8 s of start-up saved
-                logger.info("warmup: skipped (no linear runs oneDNN's packed kernels, which "
-                            "are built per shape; ingot's kernels and MKL's need no warmup)")
+                                        self.attn_backend, self.program, draft_program)
+        # Compile, capture or warm up every bucket before the engine reports ready (nothing
+        # compiles while serving).
+        times = self.program.warm_up(self.model_runner)
+        self.compile_seconds, self.warmup_seconds = times.compile_seconds, times.warmup_seconds
 
     def startup_stats(self) -> dict[str, Any]:
         """Load, compile and warmup figures (plain numbers)."""
@@ -394,14 +396,15 @@ class Worker:
 
     def compile_stats(self) -> dict[str, Any]:
         """Compilation counters (plain numbers; all zero when running eagerly)."""
-        if self.compiler is None:
+        compiler = self.program.compiler if self.program is not None else None
+        if compiler is None:
             return {"enabled": False, "graphs": 0, "compilations": 0, "cache_hits": 0,
                     "backend_calls": 0, "calls_after_warmup": 0, "compilations_after_warmup": 0,
                     "compile_seconds": 0.0}
-        s = self.compiler.backend.stats
+        s = compiler.backend.stats
         return {
             "enabled": True,
-            "graphs": len(self.compiler.shapes),
+            "graphs": len(compiler.shapes),
             "compilations": s.compilations,
             "cache_hits": s.cache_hits,
             "backend_calls": s.backend_calls,
@@ -413,8 +416,9 @@ class Worker:
 
     def compile_summary(self) -> str:
         """One line: graphs, hits, misses, seconds and the cache directory."""
-        assert self.compiler is not None and self.compiler.summary is not None
-        return f"{self.compiler.summary.line()}; cache {self.compiler.cache.dir}"
+        compiler = self.program.compiler if self.program is not None else None
+        assert compiler is not None and compiler.summary is not None
+        return f"{compiler.summary.line()}; cache {compiler.cache.dir}"
 
     def _set_fp8_scales(self) -> None:
         """Per-layer FP8 scales: from the checkpoint, else calibrated once now, else 1.0."""

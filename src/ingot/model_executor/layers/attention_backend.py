@@ -11,7 +11,8 @@ by the binding step (:func:`ingot.model_executor.binding.bind`). It owns:
   attention itself;
 - the model's decode program, where it has one (:meth:`AttentionBackend.decode_program`): ingot's
   CPU kernels run a whole decode step of a Llama-family decoder without module dispatch
-  (layers/cpu_decode_program.py), as CUDA graphs replay a captured one.
+  (layers/cpu_decode_program.py). Binding builds it; the worker's step program runs it for the
+  decode steps it serves (worker/execution/).
 
 Layers and kernels therefore never re-decide per step which kernel applies: the dtypes,
 device and compilation that decide it are fixed when the backend is chosen; what remains per
@@ -21,7 +22,7 @@ step is the step's kind, which the scheduler put in the metadata.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -40,6 +41,19 @@ if TYPE_CHECKING:
     from ingot.model_executor.layers.rotary import RotaryEmbedding
 
 logger = logging.getLogger("ingot")
+
+
+class DecodeProgram(Protocol):
+    """A backend's program for whole decode steps of one model, without module dispatch."""
+
+    def serves(self, meta: AttentionMetadata) -> bool:
+        """Whether this step is one the program runs (else the model's modules do)."""
+        ...
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """The step's hidden states, as the model's forward would return them."""
+        ...
 
 
 class AttentionLayerParams(Protocol):
@@ -100,7 +114,7 @@ class AttentionBackend:
         return paged_attention(query, key, value, kv_cache, meta, layer.scale,
                                layer.sliding_window, scales)
 
-    def decode_program(self, model: nn.Module) -> Any:
+    def decode_program(self, model: nn.Module) -> DecodeProgram | None:
         """The program that runs ``model``'s whole decode step, or None (the modules run)."""
         return None
 
@@ -145,7 +159,7 @@ class CpuKernelAttention(AttentionBackend):
         return paged_attention(query, key, value, kv_cache, meta, layer.scale,
                                layer.sliding_window, layer.kv_scales, kv_written=True)
 
-    def decode_program(self, model: nn.Module) -> Any:
+    def decode_program(self, model: nn.Module) -> DecodeProgram | None:
         from ingot.model_executor.layers.cpu_decode_program import CpuDecodeProgram
 
         return CpuDecodeProgram.build(model, self.kernels)
@@ -166,14 +180,6 @@ class AttentionBindable:
     def bind_attention(self, backend: AttentionBackend) -> None:
         """Run attention through ``backend`` from now on."""
         raise NotImplementedError
-
-
-class RunsDecodeProgram:
-    """A model that runs its attention backend's decode program (a whole decode step without
-    modules) for the steps the program serves, when the backend has one for it."""
-
-    #: Set by binding: ``backend.decode_program(model)``; None: the modules run every step.
-    decode_program: Any = None
 
 
 def select_attention_backend(

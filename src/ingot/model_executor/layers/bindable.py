@@ -4,7 +4,7 @@ interface through which they take them.
 A layer with a path through ingot's CPU kernels subclasses :class:`KernelBindable`; ``bind``
 finds it by type, once, after loading, so its forwards test nothing about which kernel applies.
 (The attention side, :class:`~ingot.model_executor.layers.attention_backend.AttentionBindable`
-and ``RunsDecodeProgram``, lives beside the backends.)
+and the backends' ``DecodeProgram``, lives beside the backends.)
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The CPU-kernel attention backend's decode program: a whole decode step of a Llama-family
 decoder straight through ingot's CPU kernels, without modules (layers/attention_backend.py
-builds it when it is chosen; the model runs it for every decode step it serves).
+builds it when it is chosen; the worker's step program runs it for every decode step it serves,
+worker/execution/decode_program.py).
 
 Why: at batch 1 the kernels themselves take ~16 ms of a ~25 ms step on the project machine, and
 at batch 64 ~14 ms of an ~81 ms forward is Python: nn.Module dispatch, argument conversion and

@@ -34,7 +34,6 @@ from ingot.model_executor.layers.attention_backend import (
     TORCH_ATTENTION,
     AttentionBackend,
     AttentionBindable,
-    RunsDecodeProgram,
 )
 from ingot.model_executor.layers.bindable import KernelBindable, Kernels
 from ingot.model_executor.layers.cpu_kernels import CpuKernels, silu_mul_bf16
@@ -222,7 +221,7 @@ class DecoderModel(nn.Module):
     aux_hidden_states: torch.Tensor | None = None
 
 
-class LlamaForCausalLM(RunsDecodeProgram, nn.Module):
+class LlamaForCausalLM(nn.Module):
     """Also serves MistralForCausalLM; subclasses switch on Qwen's differences."""
 
     qk_norm = False
@@ -245,9 +244,6 @@ class LlamaForCausalLM(RunsDecodeProgram, nn.Module):
         for layer in self.model.layers:
             layer.self_attn.sliding_window = window
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        # The attention backend's program for whole decode steps (CpuDecodeProgram), when the
-        # backend bound to the model has one (model_executor/binding.py).
-        self.decode_program: Any = None
         self.tp_size = get_tp_group().world_size
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
         if self.tie_word_embeddings:
@@ -278,12 +274,7 @@ class LlamaForCausalLM(RunsDecodeProgram, nn.Module):
     ) -> torch.Tensor:
         """``inputs_embeds`` [T, H] / ``is_token_ids`` [T]: a step with prompt embeddings
         (engine/prompt_embeds.py); given together or not at all."""
-        if inputs_embeds is not None:
-            return self.model(input_ids, positions, kv_caches, meta, inputs_embeds, is_token_ids)
-        program = self.decode_program
-        if program is not None and program.serves(meta):
-            return program.forward(input_ids, positions, kv_caches, meta)
-        return self.model(input_ids, positions, kv_caches, meta)
+        return self.model(input_ids, positions, kv_caches, meta, inputs_embeds, is_token_ids)
 
     def compute_logits(self, hidden: torch.Tensor, kernel_rows: int = 0) -> torch.Tensor:
         """Logits over the whole vocabulary (gathered from the shards under TP).

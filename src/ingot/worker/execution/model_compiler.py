@@ -7,8 +7,9 @@
 * **Shapes:** every bucket dimension is specialised (no automatic dynamic shapes); only the KV
   cache's block count is dynamic, because it follows the memory budget and would otherwise make
   the graphs (and the cache) differ from one start to the next.
-* **Warmup:** runs the model once per distinct bucket shape through ``ModelRunner.prepare_inputs``
-  itself (so the warmup sees exactly the inputs serving will), before the engine reports ready.
+* **Warmup:** runs the model once per distinct bucket shape on the runner's dummy steps
+  (``DummySteps.dummy_step``, built by ``ModelRunner.prepare_inputs`` itself, so the warmup sees
+  exactly the inputs serving will), before the engine reports ready.
 * **Precompiled buckets:** each bucket is compiled ahead of time with Dynamo's precompile
   (``aot_compile``: the traced bytecode, its guards and Inductor's output, serialisable) from
   example inputs of its shape, and saved as one file. A warm start loads those files instead of
@@ -34,20 +35,23 @@ import os
 import shutil
 import time
 import types
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from ingot.compilation.backend import IngotBackend
 from ingot.compilation.cache import CompileCache
 from ingot.compilation.cache_key import compute_cache_key
-from ingot.worker.warmup import WarmupShape, warmup_scheduler_output, warmup_shapes
+from ingot.model_executor.layers.attention import AttentionMetadata
+from ingot.worker.warmup import DummySteps, WarmupShape, warmup_shapes
 
 if TYPE_CHECKING:
     from ingot.config import EngineConfig
-    from ingot.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("ingot")
 
@@ -55,6 +59,9 @@ MEGA_CACHE_FILE = "torch_cache_artifacts.bin"
 KERNELS_DIR = "kernels"
 MANIFEST_FILE = "manifest.json"
 PRECOMPILED_DIR = "aot"
+
+#: The model's forward over its modules (the compiled layers inside): hidden states.
+ModelForward = Callable[[torch.Tensor, torch.Tensor, list[torch.Tensor], AttentionMetadata], Any]
 
 
 def precompile_supported() -> bool:
@@ -196,25 +203,30 @@ def import_artifacts(entry: Path, inductor_dir: Path) -> None:
 
 
 class ModelCompiler:
-    """Compiles a worker's model for every bucket of the grid, through the compile cache.
+    """Compiles a model's decoder layers for every bucket of the grid, through the compile
+    cache. It knows the layers and the device; the dummy steps it warms up with and the
+    model's forward are handed to :meth:`compile_and_warmup`.
 
     Args:
         config: the engine config (its ``compilation`` part says where the cache is).
-        runner: the worker's model runner (its model is compiled in place).
+        layers: the decoder layers (compiled in place: each gets a dispatching forward).
+        device: where the model runs.
         progress: show a tqdm bar (stderr) while warming up.
     """
 
-    def __init__(self, config: EngineConfig, runner: ModelRunner, progress: bool = True) -> None:
+    def __init__(self, config: EngineConfig, layers: nn.ModuleList, device: torch.device,
+                 progress: bool = True) -> None:
         cc = config.compilation
         if not config.buckets.enabled:
             raise ValueError("compilation needs static shapes: enable_bucketing must be on "
                              "(or pass --enforce-eager)")
         self.config = config
-        self.runner = runner
+        self.layers = layers
+        self.device = device
         self.progress = progress
         self.cache = CompileCache(root=cc.cache_root, hit_only=cc.hit_only)
         self.inductor_dir = configure_inductor_cache(self.cache.dir.parent)
-        self.backend = IngotBackend(runner.device.type, cc.enable_fx_passes,
+        self.backend = IngotBackend(device.type, cc.enable_fx_passes,
                                     hit_only=self.cache.hit_only)
         self.shapes = warmup_shapes(config)
         # FP8 scales differ per layer and are graph constants: layer 0's graphs would not serve
@@ -225,17 +237,18 @@ class ModelCompiler:
         self.summary: WarmupSummary | None = None
         #: Precompiled function per bucket signature (num_tokens, num_reqs, width).
         self.functions: dict[tuple[int, int, int], Any] = {}
-        if self.precompile:
-            # Precompiled guards are restored expecting ordinary tensors (torch 2.13 does not
-            # keep inference-mode dispatch keys): trace and serve without inference mode.
-            runner.grad_mode = torch.no_grad
+        #: The autograd-free mode of tracing and serving. Precompiled guards are restored
+        #: expecting ordinary tensors (torch 2.13 does not keep inference-mode dispatch keys):
+        #: trace and serve without inference mode.
+        self.grad_mode: Callable[[], AbstractContextManager[Any]] = (
+            torch.no_grad if self.precompile else torch.inference_mode)
         _configure_dynamo(len(self.shapes))
         self._install()
 
     def _install(self) -> None:
         from ingot.model_executor.layers.linear import LinearBase
 
-        layers = self.runner.model.model.layers
+        layers = self.layers
         for module in layers.modules():
             if isinstance(module, LinearBase):
                 # Dynamo cannot trace oneDNN's opaque pre-packed weights (nor ingot's kernels):
@@ -264,42 +277,40 @@ class ModelCompiler:
 
             layer.forward = forward
 
-    def _mark_kv_dynamic(self) -> None:
+    def _mark_kv_dynamic(self, kv_caches: list[torch.Tensor]) -> None:
         """Before tracing: the block count follows the memory budget, so it stays symbolic in
         the graphs (and out of the keys). Loaded precompiled functions expect unmarked caches
         (the marking is a tensor attribute their restored guards check for), so a warm start
         does not call this."""
-        for kv_cache in self.runner.kv_caches:
+        for kv_cache in kv_caches:
             torch._dynamo.mark_dynamic(kv_cache, 1)
 
-    def _warmup(self) -> None:
+    def _warmup(self, steps: DummySteps, forward: ModelForward) -> None:
         from tqdm import tqdm
 
-        runner = self.runner
         bar = tqdm(self.shapes, desc="compiling buckets", unit="graph", disable=not self.progress,
                    leave=False)
-        # The serving mode (runner.grad_mode): the traced guards must see the tensors serving will.
-        with runner.grad_mode():
+        # The serving mode (grad_mode): the traced guards must see the tensors serving will.
+        with self.grad_mode():
             for shape in bar:
                 bar.set_postfix_str(shape.label)
                 self.backend.label = shape.label
-                input_ids, positions, meta, _ = runner.prepare_inputs(warmup_scheduler_output(shape))
-                runner.model(input_ids, positions, runner.kv_caches, meta)
+                input_ids, positions, meta = steps.dummy_step(shape)
+                forward(input_ids, positions, steps.kv_caches, meta)
         bar.close()
         self.backend.label = "serving"
-        runner.forget_dummy_steps()
+        steps.forget_dummy_steps()
 
-    def _example_inputs(self, shape: WarmupShape) -> tuple[Any, ...]:
+    def _example_inputs(self, steps: DummySteps, shape: WarmupShape) -> tuple[Any, ...]:
         """Layer-0 arguments of this bucket's shape (what the warmup's first layer would get)."""
-        runner = self.runner
-        _, positions, meta, _ = runner.prepare_inputs(warmup_scheduler_output(shape))
+        _, positions, meta = steps.dummy_step(shape)
         hf = self.config.model_config.hf_config
         hidden = torch.zeros(shape.num_tokens, hf.hidden_size,
-                             dtype=self.config.model_config.dtype, device=runner.device)
-        return (runner.model.model.layers[0], positions, hidden, torch.zeros_like(hidden),
-                runner.kv_caches[0], meta)
+                             dtype=self.config.model_config.dtype, device=self.device)
+        return (self.layers[0], positions, hidden, torch.zeros_like(hidden),
+                steps.kv_caches[0], meta)
 
-    def _precompile(self, entry: Path) -> None:
+    def _precompile(self, steps: DummySteps, entry: Path) -> None:
         """Trace and compile every bucket ahead of time into ``entry/aot/<label>.bin``."""
         from tqdm import tqdm
 
@@ -310,14 +321,14 @@ class ModelCompiler:
         # The saved guards pickle the example layer's state; its dispatching forward (an
         # instance attribute, see _install) reaches the functions compiled so far, whose guard
         # managers cannot be pickled. The compiled code never calls it: set it aside meanwhile.
-        layer = self.runner.model.model.layers[0]
+        layer = self.layers[0]
         dispatch = layer.__dict__.pop("forward")
         try:
-            with self.runner.grad_mode():
+            with self.grad_mode():
                 for shape in bar:
                     bar.set_postfix_str(shape.label)
                     self.backend.label = shape.label
-                    fn = self.compiled.aot_compile((self._example_inputs(shape), {}))
+                    fn = self.compiled.aot_compile((self._example_inputs(steps, shape), {}))
                     fn.save_compiled_function(str(directory / f"{shape.label}.bin"))
                     self._use(shape, fn)
         finally:
@@ -340,19 +351,21 @@ class ModelCompiler:
         fn.disable_guard_check()  # the layer forward checks them once before calling
         self.functions[shape.signature] = fn
 
-    def compile_and_warmup(self) -> WarmupSummary:
-        """Compile (or load) every bucket's graph; returns the one-line summary's figures."""
+    def compile_and_warmup(self, steps: DummySteps, forward: ModelForward) -> WarmupSummary:
+        """Compile (or load) every bucket's graph, running ``forward`` (the model over its
+        modules) on ``steps``' dummy steps where a bucket is traced; returns the one-line
+        summary's figures."""
         start = time.perf_counter()
         built = False
 
         def build(entry: Path) -> None:
             nonlocal built
             since = time.time() - 1
-            self._mark_kv_dynamic()
+            self._mark_kv_dynamic(steps.kv_caches)
             if self.precompile:
-                self._precompile(entry)
+                self._precompile(steps, entry)
             else:
-                self._warmup()
+                self._warmup(steps, forward)
             built = True
             export_artifacts(entry, self.inductor_dir, since)
 
@@ -368,8 +381,8 @@ class ModelCompiler:
         if self.cache.stats.remote_hits > stats_before:
             result = "remote"
         if not built and not self.functions:
-            self._mark_kv_dynamic()
-            self._warmup()  # traced warmup, served from Inductor's caches
+            self._mark_kv_dynamic(steps.kv_caches)
+            self._warmup(steps, forward)  # traced warmup, served from Inductor's caches
         self.backend.warmed_up = True
         s = self.backend.stats
         self.summary = WarmupSummary(
