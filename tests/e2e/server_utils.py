@@ -128,3 +128,79 @@ def wait_until(predicate: Any, timeout: float = 15, interval: float = 0.1) -> bo
             return True
         time.sleep(interval)
     return bool(predicate())
+
+
+class HealthWatch:
+    """Polls ``/health`` from a background thread while an attack runs (issue #31's bar: the
+    server answers within 2 s throughout). ``worst`` is the slowest answer in seconds and
+    ``failures`` lists every poll that was not a 200 or did not answer at all."""
+
+    def __init__(self, server: Server, interval: float = 0.2, timeout: float = 5) -> None:
+        import threading
+
+        self.server = server
+        self.interval = interval
+        self.timeout = timeout
+        self.worst = 0.0
+        self.polls = 0
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            start = time.monotonic()
+            try:
+                status = self.server.request("GET", "/health", timeout=self.timeout)[0]
+                if status != 200:
+                    self.failures.append(f"/health answered {status}")
+            except OSError as exc:
+                self.failures.append(f"/health did not answer: {exc!r}")
+            self.worst = max(self.worst, time.monotonic() - start)
+            self.polls += 1
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> HealthWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.timeout + 1)
+
+    def assert_healthy(self, limit_s: float = 2.0) -> None:
+        assert self.polls > 0, "the health watch never polled"
+        assert not self.failures, self.failures
+        assert self.worst < limit_s, f"/health took {self.worst:.2f}s (limit {limit_s}s)"
+
+
+def assert_client_error(status: int, body: bytes, *fragments: str) -> dict:
+    """An attack's answer: a 4xx in OpenAI's error shape whose body leaks nothing of the server
+    (no traceback, no source path)."""
+    assert 400 <= status < 500, (status, body[:500])
+    text = body.decode(errors="replace")
+    for leak in ("Traceback", 'File "', ".py", "/site-packages/", "/src/ingot"):
+        assert leak not in text, f"error body leaks {leak!r}: {text[:500]}"
+    err = json.loads(body)["error"]
+    assert err["message"] and err["code"] == status, err
+    for fragment in fragments:
+        assert fragment in err["message"], err["message"]
+    return err
+
+
+def greedy_answer(server: Server, model: str | None = None, prompt: str = "The capital of") -> str:
+    """One greedy completion (8 tokens): compared before and after an attack."""
+    body: dict[str, Any] = {"prompt": prompt, "max_tokens": 8, "temperature": 0}
+    if model is not None:
+        body["model"] = model
+    status, out = server.json("POST", "/v1/completions", body)
+    assert status == 200, out
+    return out["choices"][0]["text"]
+
+
+def assert_recovered(server: Server, baseline: str, model: str | None = None) -> None:
+    """After an attack: the same greedy answer as before, and nothing left running."""
+    assert greedy_answer(server, model) == baseline
+    assert wait_until(
+        lambda: metric(server.metrics(), "ingot:num_requests_running") == 0, timeout=15
+    ), "requests still running after the attack"
