@@ -11,6 +11,7 @@ import functools
 import json
 import logging
 import multiprocessing as mp
+import os
 import threading
 import time
 from pathlib import Path
@@ -399,3 +400,57 @@ def test_key_accepts_example_tensors():
     x = torch.zeros(4, 8)
     assert _key(inputs=[x]) == _key(inputs=[((4, 8), torch.float32, (8, 1), "cpu")])
     assert _key(inputs=[x]) != _key(inputs=[x.t()])
+
+
+# -- who may write the cache (issue #31 item 8): entries are code ingot runs -------------------
+
+
+def test_cache_directories_are_created_private(tmp_path, monkeypatch):
+    monkeypatch.setattr(cache_mod.tempfile, "tempdir", str(tmp_path / "tmp"))
+    cache = CompileCache(root=tmp_path / "a" / "b")
+    for made in (tmp_path / "a", tmp_path / "a" / "b", cache.dir):
+        assert made.stat().st_mode & 0o777 == 0o700, oct(made.stat().st_mode)
+
+
+def test_fallback_owned_by_another_user_is_refused(tmp_path, monkeypatch):
+    """Another user made /tmp/ingot_cache_$USER first (as anyone can in /tmp): refused, with a
+    message that says what to do, instead of loading their 'entries'."""
+    monkeypatch.setattr(cache_mod.tempfile, "tempdir", str(tmp_path / "tmp"))
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the cache root should be")
+    planted = tmp_path / "tmp" / f"ingot_cache_{cache_mod._user()}"
+    planted.mkdir(parents=True)
+    real_uid = os.getuid()
+    monkeypatch.setattr(cache_mod.os, "getuid", lambda: real_uid + 1)  # we are someone else
+    with pytest.raises(cache_mod.UnsafeCacheDirError, match="INGOT_CACHE_ROOT"):
+        CompileCache(root=blocker / "ingot")
+    monkeypatch.setattr(cache_mod.os, "getuid", lambda: real_uid)  # our own: accepted
+    assert CompileCache(root=blocker / "ingot").dir == planted / "compile_cache"
+
+
+def test_root_owned_by_another_user_falls_back(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(cache_mod.tempfile, "tempdir", str(tmp_path / "tmp"))
+    shared = tmp_path / "shared"
+    (shared / "compile_cache").mkdir(parents=True)
+    real_uid, real_stat = os.getuid(), Path.stat
+
+    def stat_as_other(self, *a, **kw):
+        st = real_stat(self, *a, **kw)
+        if self == shared / "compile_cache":
+            return os.stat_result((st.st_mode, *st[1:4], real_uid + 1, *st[5:]))
+        return st
+
+    monkeypatch.setattr(Path, "stat", stat_as_other)
+    with caplog.at_level(logging.WARNING, logger="ingot"):
+        cache = CompileCache(root=shared)
+    assert cache.dir.is_relative_to(tmp_path / "tmp")
+    assert any("belongs to uid" in r.getMessage() for r in caplog.records)
+
+
+def test_group_writable_own_directory_is_tightened(tmp_path, caplog):
+    (tmp_path / "r" / "compile_cache").mkdir(parents=True)
+    (tmp_path / "r" / "compile_cache").chmod(0o777)
+    with caplog.at_level(logging.WARNING, logger="ingot"):
+        cache = CompileCache(root=tmp_path / "r")
+    assert cache.dir.stat().st_mode & 0o777 == 0o700
+    assert any("tightened" in r.getMessage() for r in caplog.records)

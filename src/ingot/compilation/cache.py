@@ -4,7 +4,9 @@ Spec section 8. Two tiers:
 
 * local, always on: ``$INGOT_CACHE_ROOT/compile_cache/<key>/`` (default root ``~/.cache/ingot``).
   If that is not writable, or is on a network file system (where ``flock`` is unreliable), the
-  cache moves to ``/tmp/ingot_cache_$USER/compile_cache`` with a warning;
+  cache moves to ``/tmp/ingot_cache_$USER/compile_cache`` with a warning. Entries are code
+  that ingot loads and runs, so every cache directory is created 0700 and one owned by another
+  user is refused (:func:`private_dir`);
 * remote, opt-in (``INGOT_REMOTE_CACHE``: a shared directory or an fsspec URL): read-through
   only, entries are copied into the local tier, never compiled into.
 
@@ -50,8 +52,10 @@ __all__ = [
     "CompileCache",
     "CompileCacheMissError",
     "CompileCacheTimeoutError",
+    "UnsafeCacheDirError",
     "compute_cache_key",
     "default_cache_root",
+    "private_dir",
 ]
 
 logger = logging.getLogger("ingot")
@@ -60,6 +64,10 @@ T = TypeVar("T")
 
 DEFAULT_TIMEOUT_S = 600.0
 _NETWORK_FILESYSTEMS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "fuse.sshfs"}
+
+
+class UnsafeCacheDirError(OSError):
+    """A cache directory another user owns: its entries could be code they planted."""
 
 
 class CompileCacheMissError(RuntimeError):
@@ -99,6 +107,30 @@ def _fallback_root() -> Path:
     return Path(tempfile.gettempdir()) / f"ingot_cache_{_user()}"
 
 
+def private_dir(path: Path) -> Path:
+    """``path`` as a directory only this user can write: missing components are created 0700;
+    an existing one owned by another user raises :class:`UnsafeCacheDirError`; one of ours that
+    group or others may write is tightened to 0700 (with a warning)."""
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    for p in reversed(missing):
+        try:
+            p.mkdir(mode=0o700)
+        except FileExistsError:  # another process (or rank) made it meanwhile: checked below
+            pass
+    st = path.stat()  # follows a symlink: what counts is the directory written into
+    if st.st_uid != os.getuid():
+        raise UnsafeCacheDirError(
+            f"cache directory {path} belongs to uid {st.st_uid}, not to this user "
+            f"(uid {os.getuid()}): its entries are code ingot would run. Remove it or set "
+            "INGOT_CACHE_ROOT to a directory of your own"
+        )
+    if st.st_mode & 0o022:
+        logger.warning("cache directory %s was writable by group or others (mode %o); "
+                       "tightened to 0700", path, st.st_mode & 0o777)
+        path.chmod(0o700)
+    return path
+
+
 def _filesystem_type(path: Path) -> str | None:
     """The type of the file system holding ``path`` (from /proc/mounts; None if unknown)."""
     try:
@@ -121,7 +153,7 @@ def _usable_cache_dir(root: Path) -> Path:
     """``root/compile_cache`` if we can write and lock there, else the /tmp fallback."""
     cache_dir = root / "compile_cache"
     try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(cache_dir)
         with tempfile.NamedTemporaryFile(dir=cache_dir, prefix=".probe"):
             pass
         fstype = _filesystem_type(cache_dir)
@@ -131,8 +163,9 @@ def _usable_cache_dir(root: Path) -> Path:
     except OSError as e:
         fallback = _fallback_root() / "compile_cache"
         logger.warning("compile cache root %s is not usable (%s); using %s", root, e, fallback)
-        fallback.mkdir(parents=True, exist_ok=True)
-        return fallback
+        # /tmp is shared: another user may have made this directory first.
+        private_dir(fallback.parent)
+        return private_dir(fallback)
 
 
 class CompileCache:

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from ingot.compilation.backend import IngotBackend
-from ingot.compilation.cache import CompileCache
+from ingot.compilation.cache import CompileCache, private_dir
 from ingot.compilation.cache_key import compute_cache_key
 from ingot.model_executor.layers.attention import AttentionMetadata
 from ingot.worker.warmup import DummySteps, WarmupShape, warmup_shapes
@@ -151,8 +151,8 @@ def configure_inductor_cache(cache_root: Path) -> Path:
     """Point Inductor's on-disk caches (FX graph, AOTAutograd, kernels) under ``cache_root``."""
     import torch._inductor.config as inductor_config
 
-    inductor_dir = cache_root / "inductor"
-    inductor_dir.mkdir(parents=True, exist_ok=True)
+    # Inductor loads the .so files it finds here: the same owner check as the compile cache.
+    inductor_dir = private_dir(cache_root / "inductor")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_dir)
     inductor_config.fx_graph_cache = True
     return inductor_dir
