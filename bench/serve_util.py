@@ -10,6 +10,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import IO
 
 
 def free_port() -> int:
@@ -19,12 +20,19 @@ def free_port() -> int:
 
 
 @contextmanager
-def ingot_server(flags: list[str], timeout_s: float = 300) -> Iterator[str]:
-    """Yields the server's base URL once it is ready."""
+def ingot_server(
+    flags: list[str], timeout_s: float = 300, log: IO[bytes] | None = None,
+    procs: list[subprocess.Popen] | None = None,
+) -> Iterator[str]:
+    """Yields the server's base URL once it is ready. ``log``: where its output goes (default:
+    nowhere); ``procs``: the server's process is appended to it (for RSS readings)."""
     port = free_port()
     cmd = [sys.executable, "-m", "ingot.cli.main", "--log-level", "warning", "serve",
            "--host", "127.0.0.1", "--port", str(port), *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out = log if log is not None else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    if procs is not None:
+        procs.append(proc)
     try:
         deadline = time.monotonic() + timeout_s
         while True:
