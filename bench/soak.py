@@ -73,13 +73,13 @@ class Client:
         self.model, self.deadline = model, deadline
         self.rng = random.Random(seed)
         self.tally, self.lock = tally, lock
-        self.bad = bad_requests(model)
+        self.bad_bodies = bad_requests(model)
 
     def conn(self, timeout: float = 120) -> http.client.HTTPConnection:
         return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
 
     def prompt(self) -> str:
-        return " ".join(self.rng.choice(WORDS) for _ in range(self.rng.randint(4, 60)))
+        return " ".join(self.rng.choice(WORDS) for _ in range(self.rng.randint(4, 30)))
 
     def record(self, kind: str, outcome: str) -> None:
         with self.lock:
@@ -154,7 +154,7 @@ class Client:
         return self._stream(None, stall_s=min(STALL_S, max(0.0, self.deadline - time.monotonic())))
 
     def bad(self) -> str:
-        path, ctype, body = self.rng.choice(self.bad)
+        path, ctype, body = self.rng.choice(self.bad_bodies)
         status, raw = self.post(path, body, ctype, timeout=30)
         if not 400 <= status < 500:
             return f"bad request answered {status}"
