@@ -100,6 +100,7 @@ def test_token_ids_past_the_vocabulary_are_a_400_naming_the_field(server, baseli
         ("/v1/chat/completions", _chat(structured_outputs={
             "regex": "a+", "reasoning_end_token_ids": [VOCAB]}),
          "structured_outputs.reasoning_end_token_ids"),
+        ("/detokenize", {"tokens": [5, 2**40]}, "tokens"),
     ]
     at_limit = [
         ("/v1/completions", _complete(prompt="hi", stop_token_ids=[0, VOCAB - 1])),
@@ -107,6 +108,7 @@ def test_token_ids_past_the_vocabulary_are_a_400_naming_the_field(server, baseli
         ("/v1/completions", _complete(prompt="hi", stop_token_ids=[VOCAB - 1],
                                       structured_outputs={"regex": "a+"})),
         ("/v1/chat/completions", _chat(stop_token_ids=[VOCAB - 1])),
+        ("/detokenize", {"tokens": [0, VOCAB - 1]}),
     ]
     with HealthWatch(server) as watch:
         for path, body, field in over:

@@ -49,7 +49,7 @@ from ingot.entrypoints.openai.protocol import (
 )
 from ingot.entrypoints.openai.serving import ChatOptions, OpenAIServing, sse
 from ingot.entrypoints.openai.serving_pooling import OpenAIServingPooling
-from ingot.errors import EngineRequestError, PromptTooLongError
+from ingot.errors import EngineRequestError, PromptTooLongError, TokenIdError
 from ingot.metrics.prometheus import EngineMetrics
 from ingot.version import __version__
 
@@ -499,12 +499,10 @@ def build_app(engine: EngineClient, settings: ServerSettings, metrics: EngineMet
     async def detokenize(request: Request) -> dict[str, Any]:
         body = await parse_body(request, DetokenizeRequest, settings.max_body_bytes)
         check_model(body.model)
-        vocab = model_config.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise bad_request(
-                f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens"
-            )
+        try:  # the engine's one vocabulary check
+            engine.input_processor.check_vocab("tokens", body.tokens)
+        except TokenIdError as exc:
+            raise bad_request(str(exc), exc.param) from None
         return {"prompt": serving.need_tokenizer("tokens").decode(body.tokens)}
 
     @app.get("/metrics")
