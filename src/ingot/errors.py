@@ -11,3 +11,20 @@ class ModelNotFoundError(IngotError, ValueError):
 
 class PromptTooLongError(IngotError, ValueError):
     """A prompt is longer than max_model_len allows."""
+
+
+class TokenIdError(IngotError, ValueError):
+    """A token id a request carries is not one of the model's; ``param`` names its field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class EngineRequestError(IngotError, RuntimeError):
+    """The engine failed one request through no fault of the request; the server answers 500
+    with ``error_id``, under which its log holds the traceback. Other requests are unaffected."""
+
+    def __init__(self, message: str, error_id: str) -> None:
+        super().__init__(message)
+        self.error_id = error_id

@@ -73,6 +73,7 @@ def test_offline_rejections(tiny_llama_dir, llm, embed_weight):
         (torch.ones(300, hidden), "max_model_len"),
         (torch.full((4, hidden), float("nan")), "NaN"),
         (torch.ones(4, hidden).to_sparse(), "dense"),
+        (torch.ones(4, hidden, device="meta"), "meta device"),
         ([[0.0] * hidden], "torch.Tensor"),
     ]
     for tensor, fragment in bad:

@@ -18,9 +18,10 @@ from ingot.engine.core import EngineCore
 from ingot.engine.core_client import EngineCoreClient
 from ingot.engine.dp_client import DPEngineCoreClient, LeastLoaded
 from ingot.engine.output_processor import OutputProcessor
-from ingot.engine.processor import InputProcessor
+from ingot.engine.outputs import request_error
+from ingot.engine.processor import InputProcessor, prefix_cache_root
 from ingot.engine.protocol import EngineClient
-from ingot.errors import PromptTooLongError
+from ingot.errors import EngineRequestError, PromptTooLongError, TokenIdError
 from ingot.sampling_params import SamplingParams
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "ingot"
@@ -82,10 +83,13 @@ def test_input_processor_checks_prompts_in_one_place():
     assert proc.eos_token_ids == {2, 3, 4}
     assert proc.tokenize_prompt("ab") == ("ab", [47, 48])
     assert proc.tokenize_prompt({"prompt": "x", "prompt_token_ids": [1]}) == ("x", [1])
-    for bad, match in [([], "prompt is empty"), ([5, 99], r"prompt token ids \[99\] are outside"),
-                       ([True], "outside the vocabulary")]:
+    for bad, match in [([], "prompt is empty"),
+                       ([5, 99], r"prompt_token_ids must be token ids of the model's vocabulary "
+                                 r"\(0 <= id < 50\); got 99"),
+                       ([True], "vocabulary"), ([-1], "got -1"), ([2**40], "got 1099511627776")]:
         with pytest.raises(ValueError, match=match):
             proc.check_token_ids(bad)
+    proc.check_token_ids([0, 49])  # at the limit: the last row of the embedding
     with pytest.raises(ValueError, match="prompt is empty"):
         proc.tokenize_prompt("")
     with pytest.raises(PromptTooLongError, match="more than max_model_len"):
@@ -94,6 +98,42 @@ def test_input_processor_checks_prompts_in_one_place():
         proc.process({"prompt_embeds": None}, SamplingParams())
     with pytest.raises(ValueError, match="--runner pooling"):
         InputProcessor(_model_config(is_pooling=True), None).check_generative()
+
+
+def test_every_token_id_a_request_carries_is_checked_against_the_vocabulary():
+    proc = InputProcessor(_model_config(), _Tokenizer())
+    proc.check_sampling_params(SamplingParams(stop_token_ids=[0, 49]))  # at the limit
+    cases = [
+        (SamplingParams(stop_token_ids=[5, 50]), "stop_token_ids"),
+        (SamplingParams(stop_token_ids=[2**40]), "stop_token_ids"),
+        (SamplingParams(structured_outputs={"regex": "a", "reasoning_end_token_ids": [7, 50]}),
+         "structured_outputs.reasoning_end_token_ids"),
+    ]
+    for params, field in cases:
+        with pytest.raises(TokenIdError, match=f"^{field} must be token ids") as info:
+            proc.check_sampling_params(params)
+        assert info.value.param == field
+        with pytest.raises(TokenIdError):  # the engine's own path runs the same check
+            proc.process([1, 2], params)
+    # An EOS id past the vocabulary can never be sampled: it is not a stop token.
+    wide = InputProcessor(_model_config(hf_config=SimpleNamespace(eos_token_id=[4, 70])),
+                          _Tokenizer())
+    assert wide.eos_token_ids == {2, 3, 4}
+
+
+def test_cache_salt_roots_the_prefix_cache_chain():
+    proc = InputProcessor(_model_config(), _Tokenizer())
+    plain = proc.process([1, 2], SamplingParams()).cache_salt
+    a = proc.process({"prompt_token_ids": [1, 2], "cache_salt": "a"}, SamplingParams()).cache_salt
+    a2 = proc.process({"prompt": "x", "prompt_token_ids": [1, 2], "cache_salt": "a"},
+                      SamplingParams()).cache_salt
+    b = proc.process({"prompt_token_ids": [1, 2], "cache_salt": "b"}, SamplingParams()).cache_salt
+    assert plain == b"" and a == a2 and len({plain, a, b}) == 3
+    # With embeds the root depends on both the content and the salt.
+    assert prefix_cache_root(b"x" * 32, "a") not in (a, b"x" * 32, prefix_cache_root(b"y" * 32, "a"))
+    for bad in ("", 5):
+        with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+            proc.process({"prompt_token_ids": [1, 2], "cache_salt": bad}, SamplingParams())
 
 
 def test_output_processor_fans_out_and_aggregates():
@@ -112,6 +152,15 @@ def test_output_processor_fans_out_and_aggregates():
                                                  error="bad grammar")])
     assert step.to_abort == ["1_r"] and step.outputs[0].finished
     assert step.outputs[0].error == "bad grammar" and not out.has_request("r")
+    error = request_error(step.outputs[0])
+    assert type(error) is ValueError and str(error) == "bad grammar"  # the request's fault: 400
+    # The engine's fault: the caller gets the error id (a 500), nothing else of it.
+    out.add_request("s", None, [1], out.fan_out("s", [1], SamplingParams(), None))
+    step = out.process_outputs([EngineCoreOutput(
+        "s", finish_status=RequestStatus.FINISHED_ABORTED, error="internal (id e1)",
+        error_id="e1")])
+    error = request_error(step.outputs[0])
+    assert isinstance(error, EngineRequestError) and error.error_id == "e1"
 
 
 def test_output_processor_abort_returns_the_children():

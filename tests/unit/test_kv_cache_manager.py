@@ -61,6 +61,29 @@ def test_whole_prompt_cached_still_computes_the_last_token():
     assert _run_prefill(kv, "b", prompt) == 48  # the 4th block is recomputed
 
 
+def _salted_prefill(kv, rid, prompt, salt):
+    cached = kv.admit(rid, prompt, salt)
+    kv.allocate_slots(rid, len(prompt))
+    kv.cache_full_blocks(rid, prompt, len(prompt))
+    return cached
+
+
+def test_cache_salt_isolates_prefixes_from_the_first_block_on():
+    """cache_salt (issue #31): the salt roots the chain, so it is in the first block's hash and,
+    through the chain, in every later one: the same salt hits, another salt or none misses."""
+    kv = KVCacheManager(num_blocks=64, block_size=16, max_model_len=256, enable_prefix_caching=True)
+    prompt = list(range(100, 165))  # 4 full blocks + 1 token
+    assert _salted_prefill(kv, "a", prompt, b"tenant-a") == 0
+    assert _salted_prefill(kv, "a2", prompt, b"tenant-a") == 64
+    assert _salted_prefill(kv, "b", prompt, b"tenant-b") == 0
+    assert _salted_prefill(kv, "none", prompt, b"") == 0
+    assert _salted_prefill(kv, "none2", prompt, b"") == 64  # unsalted requests share theirs
+    # Only the first block takes the salt: a later block's hash differs through its parent.
+    first = kv.req_hashes["a"][0]
+    assert first == hash_block(b"tenant-a", prompt[:16]) != hash_block(None, prompt[:16])
+    assert kv.req_hashes["a"][1] == hash_block(first, prompt[16:32])
+
+
 def test_chained_hash_depends_on_the_whole_prefix():
     a = hash_block(None, [1, 2, 3])
     assert hash_block(a, [4, 5, 6]) != hash_block(hash_block(None, [9, 2, 3]), [4, 5, 6])

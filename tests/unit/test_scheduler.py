@@ -262,3 +262,69 @@ def test_async_broken_case_without_placeholders_overruns_max_tokens(monkeypatch)
     monkeypatch.setattr(Scheduler, "_can_sample", lambda self, request: True)
     with pytest.raises(AssertionError):
         _run_async(60)
+
+
+def _run_to_end(sched: Scheduler) -> dict[str, list]:
+    """Steps until nothing is left: every output per request, failures included."""
+    outs: dict[str, list] = {}
+    for _ in range(100):
+        if not sched.has_unfinished_requests() and not sched.has_finished_to_report():
+            break
+        so = sched.schedule()
+        sampled = [item.req_id for item in so.scheduled if item.sample]
+        for out in sched.take_failed() + sched.update_from_output(
+                so, ModelRunnerOutput(sampled, [[7]] * len(sampled))):
+            outs.setdefault(out.req_id, []).append(out)
+    return outs
+
+
+def test_a_request_whose_admission_raises_fails_alone(monkeypatch, caplog):
+    """Issue #31: an exception while admitting one request (its grammar matcher, its prefix
+    lookup) fails that request only: the engine's fault with an error id (the log has the
+    traceback, the caller only the id), the request's own (ValueError) with its message; the
+    request admitted beside them runs to its end and every block comes back."""
+    sched = make_scheduler(prefills=4)
+    free = sched.kv.pool.num_free_blocks
+    admit = sched.kv.admit
+
+    def faulty_admit(request_id, token_ids=(), salt=b""):
+        if request_id == "r1":
+            raise RuntimeError("grammar_matcher.cc:489: Check failed")
+        if request_id == "r2":
+            raise ValueError("the request's own bad value")
+        return admit(request_id, token_ids, salt)
+
+    monkeypatch.setattr(sched.kv, "admit", faulty_admit)
+    for i in range(3):
+        sched.add_request(make_request(i, 20, 4))
+    outs = _run_to_end(sched)
+    (engine_fault,) = outs["r1"]
+    assert engine_fault.finish_status is RequestStatus.FINISHED_ABORTED
+    assert engine_fault.error_id and engine_fault.error_id in engine_fault.error
+    assert "grammar_matcher" not in engine_fault.error  # internals go to the log only
+    assert "grammar_matcher" in caplog.text and engine_fault.error_id in caplog.text
+    (own_fault,) = outs["r2"]
+    assert own_fault.error == "the request's own bad value" and own_fault.error_id is None
+    assert sum(len(o.new_token_ids) for o in outs["r0"]) == 4
+    assert outs["r0"][-1].finish_status is RequestStatus.FINISHED_LENGTH
+    assert not sched.requests and sched.kv.pool.num_free_blocks == free
+
+
+def test_a_failure_while_finishing_a_request_does_not_escape_the_step(monkeypatch):
+    """Freeing one finished request's blocks raises: the request still finishes (its caller
+    gets its tokens), the step goes on, the other request is untouched."""
+    sched = make_scheduler(prefills=4)
+    free_blocks = sched.kv.free
+
+    def faulty_free(request_id):
+        free_blocks(request_id)
+        if request_id == "r1":
+            raise RuntimeError("free failed")
+
+    monkeypatch.setattr(sched.kv, "free", faulty_free)
+    sched.add_request(make_request(0, 20, 6))
+    sched.add_request(make_request(1, 20, 2))
+    outs = _run_to_end(sched)
+    assert outs["r1"][-1].finish_status is RequestStatus.FINISHED_LENGTH
+    assert sum(len(o.new_token_ids) for o in outs["r0"]) == 6
+    assert not sched.requests and not sched.running

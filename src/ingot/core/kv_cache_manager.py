@@ -140,8 +140,10 @@ class KVCacheManager:
 
     def admit(self, request_id: str, prompt_token_ids: Sequence[int] = (), salt: bytes = b"") -> int:
         """Start a request; returns how many prompt tokens the prefix cache already holds.
-        ``salt`` roots the request's hash chain (a prompt-embeds request's content hash: its
-        placeholder token ids must never match another prompt's)."""
+        ``salt`` roots the request's hash chain, so it is part of its first block's hash and,
+        through the chain, of every later one: a prompt-embeds request's content hash (its
+        placeholder token ids must never match another prompt's) and/or the request's
+        ``cache_salt`` (only requests with the same salt share blocks)."""
         self.req_blocks[request_id] = []
         self.req_hashes[request_id] = []
         if salt:

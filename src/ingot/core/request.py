@@ -49,7 +49,8 @@ class Request:
         self.sampling_params = sampling_params
         self.pooling_params = pooling_params
         # A prompt given as embeddings: prompt_token_ids are placeholders (scheduling stays in
-        # token space) and the prefix cache keys its blocks by ``cache_salt``, a content hash.
+        # token space). ``cache_salt`` roots its prefix-cache hash chain: the embeds' content
+        # hash and/or the request's cache_salt (engine/processor.py, prefix_cache_root).
         self.prompt_embeds = prompt_embeds
         self.cache_salt = cache_salt
         self.output_token_ids: list[int] = []

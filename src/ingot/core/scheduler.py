@@ -23,19 +23,22 @@ sampled, applies EOS / stop-token / length stops and frees finished requests' bl
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from collections import deque
 
 from ingot.buckets import BucketGrid, BucketStats
 from ingot.config import SchedulerConfig, SpeculativeConfig
 from ingot.core.kv_cache_manager import KVCacheManager
-from ingot.core.outputs import EngineCoreOutput
+from ingot.core.outputs import EngineCoreOutput, failed_output
 from ingot.core.request import Request, RequestStatus
 from ingot.core.spec_policy import SpecDecodingStats, SpecPolicy
 from ingot.runner_output import ModelRunnerOutput
 from ingot.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
 from ingot.structured_output.manager import StructuredOutputManager, TokenVerdict
 from ingot.utils.math_utils import cdiv
+
+logger = logging.getLogger("ingot")
 
 
 class SchedulerState(enum.Enum):
@@ -93,6 +96,8 @@ class Scheduler:
         # Executions and padding per bucket, derived from the steps as they are scheduled.
         self.bucket_stats = BucketStats.for_grid(grid)
         self._finished_ids: set[str] = set()
+        # Requests failed since the core last collected them (``take_failed``), with why.
+        self._failed: list[EngineCoreOutput] = []
 
     # ---- request lifecycle -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -109,17 +114,42 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv.free(request_id)
+        releases = [self.kv.free]
         if request.use_structured_output and self.structured_output is not None:
-            self.structured_output.remove_request(request_id)
+            releases.append(self.structured_output.remove_request)
+        for release in releases:
+            # The request is finished whatever its cleanup raises: one request's failure must
+            # not escape the step (at worst its blocks leak, which the log says).
+            try:
+                release(request_id)
+            except Exception:
+                logger.exception("request %s: %s failed while finishing it", request_id,
+                                 release.__qualname__)
         self._finished_ids.add(request_id)
+
+    def fail_request(self, request_id: str, exc: Exception | str, during: str = "") -> None:
+        """Finish one request with an error for its caller (``exc``: what was raised, see
+        ``failed_output``, or the message of a failure that is the request's own); the rest of
+        the engine is untouched. Its output comes with the step's (``take_failed``)."""
+        if isinstance(exc, str):
+            out = EngineCoreOutput(request_id, finish_status=RequestStatus.FINISHED_ABORTED,
+                                   error=exc)
+        else:
+            out = failed_output(request_id, exc, during)
+        self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        self._failed.append(out)
+
+    def take_failed(self) -> list[EngineCoreOutput]:
+        failed, self._failed = self._failed, []
+        return failed
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
     def has_finished_to_report(self) -> bool:
-        """Finished requests the next SchedulerOutput will tell the workers to forget."""
-        return bool(self._finished_ids)
+        """Finished requests the next SchedulerOutput will tell the workers to forget, or
+        failed ones whose callers have not been told yet."""
+        return bool(self._finished_ids or self._failed)
 
     @property
     def num_running(self) -> int:
@@ -157,16 +187,23 @@ class Scheduler:
         compiling: list[Request] = []
         while self.holdback and self.can_schedule(num_prefilling, tokens_left):
             request = self.holdback.popleft()
-            if request.status == RequestStatus.WAITING_FOR_FSM and not self._fsm_ready(request):
-                compiling.append(request)  # passed over, not blocking the queue behind it
+            try:
+                if (request.status == RequestStatus.WAITING_FOR_FSM
+                        and not self._fsm_ready(request)):
+                    compiling.append(request)  # passed over, not blocking the queue behind it
+                    continue
+                # A request that wants prompt logprobs needs logits at every prompt position,
+                # so it computes its whole prompt (its blocks are still published for others),
+                # as in vLLM; so does a pooling request (it pools every prompt token's state).
+                params = request.sampling_params
+                lookup = (request.prompt_token_ids
+                          if params is not None and params.prompt_logprobs is None else ())
+                request.num_computed_tokens = self.kv.admit(request.request_id, lookup,
+                                                            request.cache_salt)
+            except Exception as exc:
+                # Its grammar matcher, prefix lookup...: this request fails, the step goes on.
+                self.fail_request(request.request_id, exc, "admitting")
                 continue
-            # A request that wants prompt logprobs needs logits at every prompt position, so it
-            # computes its whole prompt (its blocks are still published for others), as in vLLM;
-            # so does a pooling request (it pools every prompt token's hidden state).
-            params = request.sampling_params
-            lookup = request.prompt_token_ids if params is not None and params.prompt_logprobs is None else ()
-            request.num_computed_tokens = self.kv.admit(request.request_id, lookup,
-                                                        request.cache_salt)
             request.num_cached_tokens = request.num_computed_tokens
             request.status = RequestStatus.RUNNING
             request.first_scheduled_time = time.time()

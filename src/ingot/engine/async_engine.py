@@ -22,7 +22,7 @@ from typing import Any
 from ingot.config import ModelConfig
 from ingot.engine.arg_utils import EngineArgs
 from ingot.engine.llm_engine import LLMEngine
-from ingot.engine.outputs import PoolingRequestOutput, RequestOutput
+from ingot.engine.outputs import PoolingRequestOutput, RequestOutput, request_error
 from ingot.engine.processor import InputProcessor, PromptType
 from ingot.engine.protocol import EngineDeadError
 from ingot.pooling_params import PoolingParams
@@ -128,10 +128,10 @@ class AsyncLLM:
                     except Exception:  # metrics must never take the engine down
                         logger.exception("stat logging failed")
                 for out in outputs:
-                    error = getattr(out, "error", None)
-                    # A request the engine failed (its constraint did not compile) ends its
-                    # stream with the ValueError, as add_request raising it would.
-                    self._deliver(out.request_id, out if error is None else ValueError(error))
+                    # A request the engine failed (its constraint did not compile, its
+                    # admission raised) ends its stream with the error, as add_request would.
+                    error = request_error(out)
+                    self._deliver(out.request_id, out if error is None else error)
         except BaseException as exc:  # noqa: BLE001 - the loop must report, not die silently
             logger.exception("engine step failed; failing every pending request")
             with self._lock:

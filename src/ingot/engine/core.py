@@ -80,12 +80,16 @@ class EngineCore:
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue a request. A constrained one waits (``WAITING_FOR_FSM``) while its grammar
-        compiles on the manager's pool; one that fails to compile finishes with ``error`` set
-        in a later step's output."""
-        if request.use_structured_output and not self.structured_output.add_request(
-                request.request_id, request.sampling_params):
-            request.status = RequestStatus.WAITING_FOR_FSM
-        self.scheduler.add_request(request)
+        compiles on the manager's pool; one that fails to compile, or whose admission raises,
+        finishes with ``error`` set in the next step's output: nothing raised here reaches the
+        step loop (a DP replica's included)."""
+        self.scheduler.add_request(request)  # first: a failure below finishes it there
+        try:
+            if request.use_structured_output and not self.structured_output.add_request(
+                    request.request_id, request.sampling_params):
+                request.status = RequestStatus.WAITING_FOR_FSM
+        except Exception as exc:
+            self.scheduler.fail_request(request.request_id, exc, "admitting")
 
     def submit_structured_output(self, params: SamplingParams) -> Future | None:
         """Start compiling ``params``' constraint (then cached) without waiting: the server
@@ -108,8 +112,10 @@ class EngineCore:
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
-        failed = self._fail_uncompiled()
-        outputs = failed + self._step()
+        self._fail_uncompiled()
+        outputs = self._step()
+        # The requests failed since the last step: at add, compiling, admission (this step's).
+        outputs = self.scheduler.take_failed() + outputs
         if not outputs and not self.batch_queue:
             # Nothing ran: only requests waiting for a grammar are left (if any). Block on
             # their compiles briefly rather than spin; commands wait at most this long.
@@ -131,15 +137,11 @@ class EngineCore:
                                         sum(len(t) for t in output.sampled_token_ids))
         return self._apply(so, output)
 
-    def _fail_uncompiled(self) -> list[EngineCoreOutput]:
-        """Finish the requests whose constraint failed to compile or timed out, each with its
-        error; the rest of the engine is untouched."""
-        outputs = []
+    def _fail_uncompiled(self) -> None:
+        """Fail the requests whose constraint failed to compile or timed out, each with its
+        error (the request's fault); the rest of the engine is untouched."""
         for rid, error in self.structured_output.take_failed():
-            self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
-            outputs.append(EngineCoreOutput(rid, finish_status=RequestStatus.FINISHED_ABORTED,
-                                            error=error))
-        return outputs
+            self.scheduler.fail_request(rid, error)
 
     def _step_with_batch_queue(self) -> list[EngineCoreOutput]:
         """Submit the next step while the queue has room; wait for the oldest only when the

@@ -78,7 +78,8 @@ class LLMEngine:
                 )
                 added.append(child.request_id)
         except BaseException:
-            # A constraint that does not compile fails this request only, with nothing left.
+            # The core fails a request it cannot admit in a later step's output; what raises
+            # here (a DP replica's socket) leaves none of the request's children behind.
             self.engine_core.finish_requests(added, RequestStatus.FINISHED_ABORTED)
             raise
         self.output_processor.add_request(request_id, processed.text, processed.token_ids,

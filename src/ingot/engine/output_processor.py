@@ -48,6 +48,7 @@ class RequestState:
     num_cached_tokens: int = 0
     pooled: list[float] | None = None  # a pooling request's output
     error: str | None = None  # the core failed it (a constraint that did not compile)
+    error_id: str | None = None  # ... through no fault of its own (EngineCoreOutput)
 
     @property
     def is_finished(self) -> bool:
@@ -210,7 +211,8 @@ class OutputProcessor:
                 continue
             parent = self._child_to_parent[out.req_id]
             if out.error is not None:
-                state.error, state.finish_reason = out.error, out.finish_status.value
+                state.error, state.error_id = out.error, out.error_id
+                state.finish_reason = out.finish_status.value
                 state.metrics.finished_time = now
                 failed.append(parent)
                 touched.add(parent)
@@ -287,10 +289,11 @@ class OutputProcessor:
                 request_id=parent_id, prompt=parent.prompt,
                 prompt_token_ids=parent.prompt_token_ids,
                 outputs=PoolingOutput(list(state.pooled or [])), finished=state.is_finished,
-                metrics=state.metrics,
+                metrics=state.metrics, error=state.error, error_id=state.error_id,
             )
         finished = all(c.is_finished for c in children)
         first = children[0]
+        failed = next((c for c in children if c.error is not None), None)
         return RequestOutput(
             request_id=parent_id,
             prompt=parent.prompt,
@@ -300,5 +303,6 @@ class OutputProcessor:
             finished=finished,
             metrics=first.metrics,
             num_cached_tokens=first.num_cached_tokens,
-            error=next((c.error for c in children if c.error is not None), None),
+            error=failed.error if failed is not None else None,
+            error_id=failed.error_id if failed is not None else None,
         )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ingot.errors import EngineRequestError
+
 
 @dataclass
 class Logprob:
@@ -53,6 +55,8 @@ class RequestOutput:
     # ingot: set (with finish_reason "abort") when the engine failed the request, e.g. its
     # constraint did not compile; LLM.generate raises it as ValueError, the server as a 400.
     error: str | None = None
+    # ... and this when the failure was the engine's (``request_error``: a 500 on the server).
+    error_id: str | None = None
 
 
 @dataclass
@@ -72,6 +76,8 @@ class PoolingRequestOutput:
     outputs: PoolingOutput
     finished: bool
     metrics: RequestMetrics | None = None
+    error: str | None = None  # as RequestOutput's
+    error_id: str | None = None
 
 
 @dataclass
@@ -129,3 +135,14 @@ class ScoringRequestOutput:
     prompt_token_ids: list[int]
     outputs: ScoringOutput
     finished: bool = True
+
+
+def request_error(out: RequestOutput | PoolingRequestOutput) -> Exception | None:
+    """What a request the engine failed raises for its caller: ``ValueError`` for the
+    request's own fault (a 400 on the server), ``EngineRequestError`` for the engine's (a 500
+    with the error id); None for a request that did not fail."""
+    if out.error is None:
+        return None
+    if out.error_id is None:
+        return ValueError(out.error)
+    return EngineRequestError(out.error, out.error_id)

@@ -5,6 +5,7 @@ server calls the same checks to answer a bad prompt with a 400 before a stream s
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +17,7 @@ from ingot.engine.prompt_embeds import (
     content_hash,
 )
 from ingot.engine.tokenizer import encode_texts
-from ingot.errors import PromptTooLongError
+from ingot.errors import PromptTooLongError, TokenIdError
 from ingot.pooling_params import PoolingParams
 from ingot.sampling_params import SamplingParams
 
@@ -32,7 +33,21 @@ class ProcessedPrompt:
     text: str | None
     token_ids: list[int]  # placeholders, one per row, for a prompt_embeds prompt
     embeds: Any = None  # the checked [seq_len, hidden] tensor of a prompt_embeds prompt
-    cache_salt: bytes = b""  # the prefix cache keys an embeds prompt's blocks by its content
+    cache_salt: bytes = b""  # what roots its prefix-cache hash chain (``prefix_cache_root``)
+
+
+def prefix_cache_root(embeds_hash: bytes, cache_salt: str | None) -> bytes:
+    """What a request's prefix-cache hash chain starts from, so that it is mixed into its
+    first block's hash and carried by every later one (``Request.cache_salt``): nothing for a
+    plain prompt; an embeds prompt's content hash (its placeholder ids say nothing of it); with
+    vLLM's ``cache_salt``, a hash of both, so only requests with the same salt share blocks.
+    Fixed-width parts: no salt can be chosen to collide with another request's root."""
+    if cache_salt is None:
+        return embeds_hash
+    h = hashlib.sha256(b"cache_salt")
+    h.update(embeds_hash or bytes(32))
+    h.update(hashlib.sha256(cache_salt.encode("utf-8", "surrogatepass")).digest())
+    return h.digest()
 
 
 class InputProcessor:
@@ -54,7 +69,9 @@ class InputProcessor:
                 ids.add(value)
             elif isinstance(value, list):
                 ids.update(int(v) for v in value)
-        return ids
+        # An id past the model's vocabulary can never be sampled, and the grammar matcher
+        # refuses it as a stop token: only the model's own ids end generation.
+        return {i for i in ids if 0 <= i < self.model_config.vocab_size}
 
     # ---- prompts ---------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -76,17 +93,34 @@ class InputProcessor:
             return None, list(prompt)
         raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
 
-    def check_token_ids(self, token_ids: Sequence[Any]) -> None:
-        """At least one token, each an id of the model's vocabulary."""
-        if not token_ids:
-            raise ValueError(EMPTY_PROMPT)
+    def check_vocab(self, field: str, token_ids: Sequence[Any]) -> None:
+        """Each id one of the model's: ``0 <= id < vocab_size``, the rows of its embedding
+        (ids a tokenizer adds beyond them have no embedding, and the model never samples
+        them). ``TokenIdError`` naming ``field`` otherwise."""
         vocab = self.model_config.vocab_size
         bad = [t for t in token_ids
                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
-            raise ValueError(
-                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
+            shown = ", ".join(str(t)[:24] for t in bad[:5]) + (", ..." if len(bad) > 5 else "")
+            raise TokenIdError(
+                f"{field} must be token ids of the model's vocabulary (0 <= id < {vocab}); "
+                f"got {shown}", field,
             )
+
+    def check_token_ids(self, token_ids: Sequence[Any], field: str = "prompt_token_ids") -> None:
+        """At least one token, each an id of the model's vocabulary."""
+        if not token_ids:
+            raise ValueError(EMPTY_PROMPT)
+        self.check_vocab(field, token_ids)
+
+    def check_sampling_params(self, params: SamplingParams) -> None:
+        """Every token id the parameters carry is one of the model's: an id past the
+        vocabulary would otherwise reach the grammar matcher or the sampler inside a step."""
+        self.check_vocab("stop_token_ids", params.stop_token_ids)
+        constraint = params.structured_outputs
+        if constraint is not None and constraint.reasoning_end_token_ids:
+            self.check_vocab("structured_outputs.reasoning_end_token_ids",
+                             constraint.reasoning_end_token_ids)
 
     def validate_prompt(self, token_ids: list[int]) -> None:
         """``check_token_ids``, and no longer than max_model_len."""
@@ -128,16 +162,29 @@ class InputProcessor:
                 "use embed / classify / score, or start a generative model"
             )
 
+    @staticmethod
+    def cache_salt(prompt: PromptType) -> str | None:
+        """A prompt dict's ``cache_salt`` (vLLM's): a non-empty string, or None."""
+        salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError(
+                "cache_salt must be a non-empty string (requests share cached prefixes only "
+                "with requests of the same salt); leave it out to share with every request"
+            )
+        return salt
+
     def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
         """A generation request's prompt, checked against the model and ``params``."""
+        self.check_sampling_params(params)
+        salt = self.cache_salt(prompt)
         embeds = self._prompt_embeds(prompt, params)
         if embeds is not None:
             # Scheduling stays in token space: one placeholder id per row.
             return ProcessedPrompt(None, [PROMPT_EMBEDS_PLACEHOLDER] * embeds.shape[0], embeds,
-                                   content_hash(embeds))
+                                   prefix_cache_root(content_hash(embeds), salt))
         text, token_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(token_ids)
-        return ProcessedPrompt(text, token_ids)
+        return ProcessedPrompt(text, token_ids, cache_salt=prefix_cache_root(b"", salt))
 
     # ---- pooling prompts -------------------------------------------------------------------
     def pretokenize(

@@ -11,12 +11,16 @@ Decoding is defensive, because these bytes come from the network: the encoded si
 before anything is decoded (no tensor a request could declare is larger than
 ``max_model_len x hidden_size x 4`` bytes); a safetensors header is read and checked (one dense
 tensor, an allowed dtype, a bounded shape whose byte count matches its data) before its data is
-touched; a ``torch.save`` payload goes through ``torch.load(weights_only=True)`` (the restricted
-unpickler: no ``__reduce__``, no arbitrary callables) inside
-``torch.sparse.check_sparse_tensor_invariants()``, so a sparse tensor with out-of-range indices
-is refused while it is rebuilt, before anything could densify it (the CVE-2025-62164 class of
-bug); and whatever was decoded must then be a plain dense tensor of float32, bfloat16 or float16
-with shape ``[1 <= n <= max_model_len, hidden_size]`` and finite values. Anything else raises
+touched; a ``torch.save`` zip is opened with Python's ``zipfile`` first: every entry must be
+stored uncompressed (as torch.save writes them) with sizes within the payload, so a zip bomb
+(kilobytes of deflate declaring gigabytes) is refused unread, and torch reads a copy rebuilt from
+exactly the entries checked (no difference between two zip parsers can show it anything else);
+it goes through ``torch.load(weights_only=True)`` (the restricted unpickler: no ``__reduce__``,
+no arbitrary callables) inside ``torch.sparse.check_sparse_tensor_invariants()``, so a sparse
+tensor with out-of-range indices is refused while it is rebuilt, before anything could densify
+it (the CVE-2025-62164 class of bug); and whatever was decoded must then be a plain dense CPU
+tensor (not ``meta``, which has no data) of float32, bfloat16 or float16 with shape
+``[1 <= n <= max_model_len, hidden_size]`` and finite values. Anything else raises
 ``ValueError`` (a 400 on the HTTP server).
 """
 
@@ -51,6 +55,9 @@ def check_prompt_embeds(embeds: object, hidden_size: int, max_model_len: int) ->
         )
     if embeds.layout != torch.strided:
         raise ValueError(f"prompt_embeds must be a dense tensor, got layout {embeds.layout}")
+    if embeds.is_meta:
+        raise ValueError("prompt_embeds must hold data; got a tensor on the meta device (a "
+                         "shape without values)")
     if embeds.dtype not in ALLOWED_DTYPES:
         raise ValueError(
             f"prompt_embeds must be float32, bfloat16 or float16, got {embeds.dtype}"
@@ -103,10 +110,42 @@ def decode_prompt_embeds(data: str, hidden_size: int, max_model_len: int) -> tor
         tensor = _load_torch_save(raw)
     else:
         tensor = _load_safetensors(raw, hidden_size, max_model_len)
+    if isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu":
+        raise ValueError(f"prompt_embeds must be a CPU tensor, got one on {tensor.device.type}")
     return check_prompt_embeds(tensor, hidden_size, max_model_len)
 
 
+def _checked_zip(raw: bytes) -> bytes:
+    """The torch.save zip rebuilt from its entries, each checked to be stored uncompressed (as
+    torch.save writes them) with sizes within the payload: what torch then reads expands to no
+    more than the payload already is."""
+    refused = "prompt_embeds (torch.save format) was refused: "
+    try:
+        with zipfile.ZipFile(io.BytesIO(raw)) as archive:
+            entries = archive.infolist()
+            for info in entries:
+                if info.compress_type != zipfile.ZIP_STORED:
+                    raise ValueError(
+                        f"{refused}entry {info.filename[:100]!r} is compressed; torch.save "
+                        "stores its entries uncompressed (send the bytes torch.save wrote, or "
+                        "safetensors)"
+                    )
+            declared = sum(i.file_size for i in entries)
+            if declared > len(raw) or any(i.compress_size != i.file_size for i in entries):
+                raise ValueError(f"{refused}its entries declare {declared} bytes, more than the "
+                                 f"{len(raw)}-byte payload holds")
+            out = io.BytesIO()
+            with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as rebuilt:
+                for info in entries:
+                    rebuilt.writestr(info.filename, archive.read(info))
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, KeyError,
+            NotImplementedError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{refused}not a readable zip ({exc})"[:500]) from None
+    return out.getvalue()
+
+
 def _load_torch_save(raw: bytes) -> object:
+    raw = _checked_zip(raw)
     try:
         with torch.sparse.check_sparse_tensor_invariants():
             return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)

@@ -17,6 +17,7 @@ from ingot.engine.outputs import (
     RequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
+    request_error,
 )
 from ingot.engine.processor import PromptType
 from ingot.engine.tokenizer import apply_chat_template
@@ -192,8 +193,9 @@ class LLM:
                 for out in engine.step():
                     if out.finished and out.request_id in pending:
                         pending.discard(out.request_id)
-                        if getattr(out, "error", None) is not None:
-                            raise ValueError(out.error)  # as if add_request had refused it
+                        error = request_error(out)
+                        if error is not None:
+                            raise error  # as if add_request had refused it
                         finished[out.request_id] = out
                         bar.update(1)
         except BaseException:

@@ -49,7 +49,7 @@ from ingot.entrypoints.openai.protocol import (
 )
 from ingot.entrypoints.openai.serving import ChatOptions, OpenAIServing, sse
 from ingot.entrypoints.openai.serving_pooling import OpenAIServingPooling
-from ingot.errors import PromptTooLongError
+from ingot.errors import EngineRequestError, PromptTooLongError, TokenIdError
 from ingot.metrics.prometheus import EngineMetrics
 from ingot.version import __version__
 
@@ -345,6 +345,11 @@ def build_app(engine: EngineClient, settings: ServerSettings, metrics: EngineMet
     async def on_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return error_response(503, str(exc), "server_error")
 
+    @app.exception_handler(EngineRequestError)
+    async def on_request_failed(_: Request, exc: EngineRequestError) -> JSONResponse:
+        # The engine failed this request only (logged under the id the message carries).
+        return error_response(500, str(exc), "server_error")
+
     @app.exception_handler(Exception)
     async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error in a request", exc_info=exc)
@@ -369,8 +374,9 @@ def build_app(engine: EngineClient, settings: ServerSettings, metrics: EngineMet
                 async with aclosing(body) as pieces:
                     async for piece in pieces:
                         yield piece
-            except (ValueError, EngineDeadError) as exc:
-                status = 503 if isinstance(exc, EngineDeadError) else 400
+            except (ValueError, EngineDeadError, EngineRequestError) as exc:
+                status = (503 if isinstance(exc, EngineDeadError)
+                          else 500 if isinstance(exc, EngineRequestError) else 400)
                 param = value_error_param(exc) if isinstance(exc, ValueError) else None
                 yield sse(error_body(status, str(exc), param=param))
                 yield "data: [DONE]\n\n"
@@ -493,12 +499,10 @@ def build_app(engine: EngineClient, settings: ServerSettings, metrics: EngineMet
     async def detokenize(request: Request) -> dict[str, Any]:
         body = await parse_body(request, DetokenizeRequest, settings.max_body_bytes)
         check_model(body.model)
-        vocab = model_config.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise bad_request(
-                f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens"
-            )
+        try:  # the engine's one vocabulary check
+            engine.input_processor.check_vocab("tokens", body.tokens)
+        except TokenIdError as exc:
+            raise bad_request(str(exc), exc.param) from None
         return {"prompt": serving.need_tokenizer("tokens").decode(body.tokens)}
 
     @app.get("/metrics")

@@ -81,6 +81,9 @@ class _SamplingFields(OpenAIModel):
     # vLLM's constraint field: {json | regex | choice | grammar | json_object | structural_tag,
     # disable_any_whitespace, disable_additional_properties, whitespace_pattern}
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's: requests share cached prefix blocks only with requests of the same salt
+    # (tenants isolate theirs); mixed into the first block's hash (engine/processor.py).
+    cache_salt: str | None = Field(None, min_length=1)
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
         if self.structured_outputs is None:
@@ -409,6 +412,7 @@ class ErrorResponse(BaseModel):
 
 
 SAMPLING_FIELDS = frozenset(
-    set(_SamplingFields.model_fields) - {"model", "user", "stream", "stream_options"}
+    set(_SamplingFields.model_fields)
+    - {"model", "user", "stream", "stream_options", "cache_salt"}
     | {"max_completion_tokens", "logprobs", "top_logprobs", "best_of", "echo", "suffix"}
 )

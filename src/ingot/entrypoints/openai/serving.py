@@ -30,7 +30,7 @@ from ingot.entrypoints.openai.reasoning_parsers import END as REASONING_END
 from ingot.entrypoints.openai.reasoning_parsers import ReasoningParser
 from ingot.entrypoints.openai.tool_parsers.base import ToolParser
 from ingot.entrypoints.openai.tools import ToolRequest, parse_tool_request
-from ingot.errors import PromptTooLongError
+from ingot.errors import PromptTooLongError, TokenIdError
 from ingot.sampling_params import SamplingParams
 
 request_logger = logging.getLogger("ingot.requests")
@@ -216,7 +216,7 @@ class OpenAIServing:
                 self.need_tokenizer()  # the server's own words for it
             try:
                 text, token_ids = self.processor.tokenize_prompt(p)
-                self.processor.check_token_ids(token_ids)
+                self.processor.check_token_ids(token_ids, "prompt")
             except ValueError as exc:
                 raise RequestValueError(str(exc), "prompt") from None
             prepared.append(PreparedPrompt(text, token_ids))
@@ -288,17 +288,26 @@ class OpenAIServing:
                 raise RequestValueError(str(exc), param) from exc
             break  # n prompts of one request share one constraint
 
+    def check_token_ids(self, params: SamplingParams) -> None:
+        """The engine's check of the parameters' token ids, as a 400 naming the field."""
+        try:
+            self.processor.check_sampling_params(params)
+        except TokenIdError as exc:
+            raise RequestValueError(str(exc), exc.param) from None
+
     def _streams(
-        self, prompts: list[PreparedPrompt], params_list: list[SamplingParams], prefix: str
+        self, prompts: list[PreparedPrompt], params_list: list[SamplingParams], prefix: str,
+        cache_salt: str | None = None,
     ) -> list[AsyncIterator[RequestOutput]]:
         if self.log_requests:
             for i, (p, params) in enumerate(zip(prompts, params_list, strict=True)):
                 request_logger.info("request %s-%d: %d prompt tokens, %s", prefix, i,
                                     len(p.token_ids), params)
+        salt = {} if cache_salt is None else {"cache_salt": cache_salt}
         return [
             self.engine.generate(
-                {"prompt_embeds": p.embeds} if p.embeds is not None
-                else {"prompt": p.text, "prompt_token_ids": p.token_ids},
+                {"prompt_embeds": p.embeds, **salt} if p.embeds is not None
+                else {"prompt": p.text, "prompt_token_ids": p.token_ids, **salt},
                 params, f"{prefix}-{i}",
             )
             for i, (p, params) in enumerate(zip(prompts, params_list, strict=True))
@@ -329,8 +338,11 @@ class OpenAIServing:
         self, request: CompletionRequest
     ) -> tuple[list[PreparedPrompt], list[SamplingParams]]:
         if request.prompt_embeds is not None:
-            if request.prompt is not None:
-                raise RequestValueError("give prompt or prompt_embeds, not both", "prompt_embeds")
+            # The openai client requires prompt, so vLLM's documented call sends prompt="".
+            if request.prompt not in (None, ""):
+                raise RequestValueError(
+                    "give prompt or prompt_embeds, not both (an empty prompt, \"\", may go "
+                    "with prompt_embeds)", "prompt_embeds")
             prompts = self.embeds_prompts(request.prompt_embeds)
         elif request.prompt is None:
             raise RequestValueError(
@@ -343,6 +355,7 @@ class OpenAIServing:
             check_prompt_fits(len(p.token_ids), None, self.max_model_len)
             params = request.to_sampling_params(self.max_model_len, len(p.token_ids))
             check_prompt_fits(len(p.token_ids), params.max_tokens, self.max_model_len)
+            self.check_token_ids(params)
             params_list.append(params)
         return prompts, params_list
 
@@ -382,7 +395,8 @@ class OpenAIServing:
         await self.check_constraints(params_list, "structured_outputs")
         request_id = random_id("cmpl")
         finals: dict[int, RequestOutput] = {}
-        async with aclosing(merge(self._streams(prompts, params_list, request_id))) as outs:
+        streams = self._streams(prompts, params_list, request_id, request.cache_salt)
+        async with aclosing(merge(streams)) as outs:
             async for i, out in outs:
                 finals[i] = out
         n = params_list[0].n
@@ -423,7 +437,8 @@ class OpenAIServing:
         state = _StreamState(prompt_tokens=sum(len(p.token_ids) for p in prompts))
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         continuous = bool(request.stream_options and request.stream_options.continuous_usage_stats)
-        async with aclosing(merge(self._streams(prompts, params_list, request_id))) as merged, \
+        streams = self._streams(prompts, params_list, request_id, request.cache_salt)
+        async with aclosing(merge(streams)) as merged, \
                 _usage_recorded(state):
             async for i, out in merged:
                 for c in out.outputs:
@@ -469,6 +484,10 @@ class OpenAIServing:
         tools = parse_tool_request(request.tools, request.tool_choice, request.parallel_tool_calls,
                                    self.chat_options.enable_auto_tool_choice)
         prompt = self.chat_prompt(request, tools)
+        try:  # the template or a message may hold ids the tokenizer adds beyond the model's
+            self.processor.check_token_ids(prompt.token_ids, "messages")
+        except ValueError as exc:
+            raise RequestValueError(str(exc), "messages") from None
         check_prompt_fits(len(prompt.token_ids), None, self.max_model_len, prompt_field="messages")
         params = request.to_sampling_params(self.max_model_len, len(prompt.token_ids),
                                             tools.constraint())
@@ -481,6 +500,7 @@ class OpenAIServing:
                 REASONING_END, add_special_tokens=False)
         check_prompt_fits(len(prompt.token_ids), params.max_tokens, self.max_model_len,
                           request.max_tokens_field, "messages")
+        self.check_token_ids(params)
         return prompt, params
 
     @staticmethod
@@ -509,7 +529,8 @@ class OpenAIServing:
         await self.check_constraints([params], request.constraint_field)
         request_id = random_id("chatcmpl")
         final = None
-        async with aclosing(merge(self._streams([prompt], [params], request_id))) as outs:
+        streams = self._streams([prompt], [params], request_id, request.cache_salt)
+        async with aclosing(merge(streams)) as outs:
             async for _, out in outs:
                 final = out
         assert final is not None
@@ -566,7 +587,8 @@ class OpenAIServing:
         parsers: dict[int, ChatOutputParser] = {}
         # No chunk before the model has produced something: clients time their first token
         # from the first chunk, so the role travels with each choice's first content (as vLLM).
-        async with aclosing(merge(self._streams([prompt], [params], request_id))) as merged, \
+        streams = self._streams([prompt], [params], request_id, request.cache_salt)
+        async with aclosing(merge(streams)) as merged, \
                 _usage_recorded(state):
             async for _, out in merged:
                 for c in out.outputs:
