@@ -67,7 +67,9 @@ def server(tiny_llama_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def default_server(tiny_llama_dir, tmp_path_factory):
-    with run_server([str(tiny_llama_dir), *TINY_FLAGS], tmp_path_factory.mktemp("logs")) as s:
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_TORCH_PROFILER_DIR"}
+    with run_server([str(tiny_llama_dir), *TINY_FLAGS], tmp_path_factory.mktemp("logs"),
+                    env=env) as s:
         s.baseline = greedy_answer(s)
         yield s
 
@@ -102,6 +104,7 @@ def test_request_chat_template_refused_without_the_flag(default_server):
     assert chat(default_server)[0] == 200  # the model's own template still renders
 
 
+@pytest.mark.slow
 def test_template_loop_is_stopped_at_the_time_limit(server):
     err = attack(server, CHAT, {"messages": MSGS, "chat_template": NESTED_LOOP},
                  f"limit of {TIMEOUT_S} s", "--chat-template-timeout-s")
@@ -144,6 +147,7 @@ def test_template_errors_are_400s_naming_the_template(server):
     assert status == 400 and "roles must alternate" in body["error"]["message"]
 
 
+@pytest.mark.slow
 def test_renderer_matches_apply_chat_template(tiny_llama_dir):
     """The render process gives what ``tokenizer.apply_chat_template`` gives (special tokens,
     tools, tool calls, None-valued keys dropped)."""

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ingot.config import ProfilerConfig
+from ingot.config import EngineConfig, ProfilerConfig
 from ingot.engine.arg_utils import EngineArgs
 from ingot.engine.async_engine import AsyncLLM
 from ingot.engine.llm_engine import LLMEngine
@@ -650,11 +650,11 @@ def build_app(engine: EngineClient, settings: ServerSettings, metrics: EngineMet
 
 
 def build_engine(
-    args: EngineArgs, metrics_name_prefix: str = "ingot"
+    config: EngineConfig, metrics_name_prefix: str = "ingot", start: float | None = None,
 ) -> tuple[AsyncLLM, EngineMetrics, float]:
-    """The engine with its metrics wired in; returns (engine, metrics, start-up seconds)."""
-    start = time.perf_counter()
-    config = args.create_engine_config()
+    """The engine with its metrics wired in; returns (engine, metrics, start-up seconds since
+    ``start``, default now: pass when resolving the config began)."""
+    start = time.perf_counter() if start is None else start
     metrics = EngineMetrics(config.model_config.served_model_name, prefix=metrics_name_prefix)
 
     def on_abort(eng: LLMEngine, request_id: str, num_seqs: int) -> None:
@@ -677,9 +677,11 @@ def serve(engine_args: EngineArgs, host: str, port: int, settings_kwargs: dict[s
     """Build the engine, then serve until interrupted."""
     import uvicorn
 
-    engine, metrics, elapsed = build_engine(engine_args, metrics_name_prefix)
+    start = time.perf_counter()
+    config = engine_args.create_engine_config()
+    engine, metrics, elapsed = build_engine(config, metrics_name_prefix, start)
     served = engine.model_config.served_model_name
-    profiler = engine.engine.config.additional_config.get("profiler")
+    profiler = config.additional_config.get("profiler")
     settings = ServerSettings(
         served_model_name=served,
         profiler_dir=ProfilerConfig.from_dict(profiler).output_dir if profiler is not None
