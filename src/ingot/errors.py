@@ -1,5 +1,13 @@
 """Errors a user can cause. Each message says what to change."""
 
+import uuid
+
+
+def new_error_id() -> str:
+    """The id a client is given for a failure on the server's side; the log holds the details
+    (the traceback) under it."""
+    return uuid.uuid4().hex[:16]
+
 
 class IngotError(Exception):
     """Base class for ingot's user-facing errors."""

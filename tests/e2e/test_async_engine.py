@@ -147,9 +147,10 @@ async def asgi(app: Any, method: str, path: str, body: Any = None) -> tuple[int,
     return status, b"".join(chunks)
 
 
-def test_engine_failure_reaches_every_pending_request(tiny_llama_dir):
+def test_engine_failure_reaches_every_pending_request(tiny_llama_dir, caplog):
     """The step raises while two whole requests, one HTTP stream and one AsyncLLM stream are
-    mid-flight: each gets the error within seconds, /health turns 503, new work is refused."""
+    mid-flight: each gets the error within seconds, /health turns 503, new work is refused.
+    HTTP clients get the failure's error id; the log has the error under it."""
     llm = AsyncLLM(_engine(tiny_llama_dir))
     fail = threading.Event()
     real_step = llm.engine.step
@@ -204,16 +205,20 @@ def test_engine_failure_reaches_every_pending_request(tiny_llama_dir):
     finally:
         fail.set()
         llm.shutdown()
+    (logged,) = [r for r in caplog.records if r.getMessage().startswith("engine failure ")]
+    error_id = logged.getMessage().split()[-1]
+    assert "injected fault" in str(logged.exc_info[1])
     for status, body in (whole1, whole2):
         assert status == 503
         err = json.loads(body)["error"]
-        assert err["code"] == 503 and "injected fault" in err["message"]
+        assert err["code"] == 503 and f"error id {error_id}" in err["message"]
+        assert "injected fault" not in err["message"]
     status, body = stream
     assert status == 200  # headers went out before the failure: the error is an event
     events = [ln[6:] for ln in body.decode().splitlines() if ln.startswith("data: ")]
     assert events[-1] == "[DONE]"
-    assert "injected fault" in json.loads(events[-2])["error"]["message"]
+    assert f"error id {error_id}" in json.loads(events[-2])["error"]["message"]
     assert "injected fault" in str(direct_exc)
     assert not llm.is_running and isinstance(llm.dead_error, RuntimeError)
-    assert health[0] == 503 and "injected fault" in json.loads(health[1])["error"]["message"]
+    assert health[0] == 503 and f"error id {error_id}" in json.loads(health[1])["error"]["message"]
     assert after[0] == 503  # a new stream is refused before it starts

@@ -62,6 +62,10 @@ def test_port_in_use_fails_before_loading(tiny_llama_dir, capsys):
         (["--additional-config", json.dumps({"profiler": {"max_iterations": -2}})],
          "profiler.max_iterations"),
         (["--additional-config", json.dumps({"profiler": {"ranks": 0}})], "profiler.ranks"),
+        (["--max-stop-strings", "0"], "--max-stop-strings must be a positive number"),
+        (["--chat-template-timeout-s", "nan"], "--chat-template-timeout-s"),
+        (["--profiler-dir", "/a", "--additional-config",
+          json.dumps({"profiler": {"output_dir": "/b"}})], "--profiler-dir"),
     ],
 )
 def test_bad_serve_flags(tiny_llama_dir, capsys, flags, fragment):

@@ -8,6 +8,7 @@ import http.client
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -46,7 +47,7 @@ def server(model_dir, tmp_path_factory, request):
     args = [str(model_dir), *TINY_FLAGS, "--api-key", KEY,
             "--max-request-body-bytes", str(LIMIT), "--served-model-name", "tiny",
             "--additional-config", json.dumps({"profiler": {"output_dir": str(traces)}}),
-            "--distributed-executor-backend", backend,
+            "--enable-admin-routes", "--distributed-executor-backend", backend,
             "--async-scheduling" if mode == "async" else "--no-async-scheduling"]
     with run_server(args, tmp_path_factory.mktemp("logs")) as s:
         yield s
@@ -166,7 +167,8 @@ BAD_REQUESTS = [
      ["whitespace_pattern is not supported", "disable_any_whitespace"], "structured_outputs"),
     (CHAT, {"messages": MSGS, "store": "yes"}, 400, ["store", "boolean"], "store"),
     (CHAT, {"messages": MSGS, "metadata": {"k": 1}}, 400, ["metadata"], "metadata.k"),
-    (CHAT, {"messages": MSGS, "chat_template": "{% if %}"}, 400, ["chat template"], "messages"),
+    (CHAT, {"messages": MSGS, "chat_template": "{% if %}"}, 400,
+     ["chat template", "--trust-request-chat-template"], "chat_template"),
     (CHAT, {"messages": MSGS, "chat_template_kwargs": {"tokenize": True}}, 400,
      ["chat_template_kwargs", "tokenize"], "chat_template_kwargs"),
     (CHAT, {"messages": MSGS, "max_completion_tokens": 5000}, 400,
@@ -311,6 +313,14 @@ def test_a_killed_worker_process_turns_health_503_and_fails_requests(tiny_llama_
         status, body = s.json("POST", "/v1/completions",
                               {"model": model, "prompt": "hi", "max_tokens": 2})
         assert status == 503 and "restart" in body["error"]["message"]
+        # The worker's failure reaches clients as an error id, its details only the log.
+        _, _, health = s.request("GET", "/health")
+        for raw in (json.dumps(body), health.decode()):
+            for leak in ("Traceback", 'File "', ".py", "/src/ingot"):
+                assert leak not in raw, raw
+        error_id = re.search(r"error id ([0-9a-f]{16})", body["error"]["message"]).group(1)
+        assert error_id in health.decode()
+        assert wait_until(lambda: f"engine failure {error_id}" in s.log())
 
 
 def test_long_prompt_gets_ingot_error_without_tokenizer_warning(server):

@@ -23,7 +23,8 @@ def profile_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory, profile_dir):
     profiler = {"profiler": {"output_dir": str(profile_dir)}}
-    args = [str(tiny_llama_dir), *TINY_FLAGS, "--additional-config", json.dumps(profiler)]
+    args = [str(tiny_llama_dir), *TINY_FLAGS, "--additional-config", json.dumps(profiler),
+            "--enable-admin-routes"]
     with run_server(args, tmp_path_factory.mktemp("logs")) as s:
         yield s
 
@@ -158,8 +159,9 @@ def test_profile_cycle_writes_a_chrome_trace(server, profile_dir):
         code, _ = server.json("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 3})
         assert code == 200
         status, body = server.json("POST", "/stop_profile")
-        assert status == 200 and body["trace"]
-        traces.append(Path(body["trace"]))
+        # Named relative to the profiler's directory: no server path in the response.
+        assert status == 200 and body["trace"] and not Path(body["trace"]).is_absolute()
+        traces.append(profile_dir / body["trace"])
     for trace in traces:
         assert trace.is_file() and trace.name == "rank0.trace.json"
         assert trace.parent.parent == profile_dir

@@ -13,7 +13,7 @@ import ingot
 from ingot.engine.arg_utils import (
     NOT_A_FLAG,
     EngineArgs,
-    _add_dataclass_args,
+    add_dataclass_args,
     add_engine_args,
     cli,
     cli_fields,
@@ -91,7 +91,7 @@ def test_a_field_without_cli_metadata_is_an_error():
         forgotten: int = 3
 
     with pytest.raises(TypeError, match="Args.forgotten declares no command-line flag"):
-        _add_dataclass_args(argparse.ArgumentParser(), Args)
+        add_dataclass_args(argparse.ArgumentParser(), Args)
 
 
 def test_a_list_field_needs_a_parse_hook():
@@ -100,7 +100,7 @@ def test_a_list_field_needs_a_parse_hook():
         sizes: list[int] | None = dataclasses.field(default=None, metadata=cli())
 
     with pytest.raises(TypeError, match="declare cli"):
-        _add_dataclass_args(argparse.ArgumentParser(), Args)
+        add_dataclass_args(argparse.ArgumentParser(), Args)
 
     @dataclasses.dataclass
     class Hooked:
@@ -108,7 +108,7 @@ def test_a_list_field_needs_a_parse_hook():
             default=None, metadata=cli(type=lambda s: [int(x) for x in s.split(",")]))
 
     parser = argparse.ArgumentParser()
-    _add_dataclass_args(parser, Hooked)
+    add_dataclass_args(parser, Hooked)
     assert parser.parse_args(["--sizes", "1,4"]).sizes == [1, 4]
 
 

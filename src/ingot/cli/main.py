@@ -13,7 +13,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ingot.engine.arg_utils import EngineArgs, add_engine_args, engine_args_from, size_one_shot
+from ingot.engine.arg_utils import (
+    EngineArgs,
+    add_dataclass_args,
+    add_engine_args,
+    engine_args_from,
+    size_one_shot,
+)
 from ingot.errors import IngotError
 from ingot.sampling_params import SamplingParams
 from ingot.version import __version__
@@ -181,6 +187,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     import os
 
     from ingot.entrypoints.openai.api_server import serve
+    from ingot.entrypoints.openai.limits import ServerLimits
 
     if ns.model_tag is not None:
         if ns.model is not None and ns.model != ns.model_tag:
@@ -197,13 +204,14 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         raise ValueError("--api-key (or INGOT_API_KEY) is empty; give a key or leave it unset")
     _check_listen(ns.host, ns.port)
     chat_options = chat_options_from(ns)  # bad parser names / files fail before the model loads
+    limits = ServerLimits.from_namespace(ns)
     args = engine_args_from(ns)
     return serve(
         args,
         ns.host,
         ns.port,
         {"api_key": api_key, "max_body_bytes": ns.max_request_body_bytes,
-         "chat_options": chat_options, **_server_log_settings(ns, api_key)},
+         "chat_options": chat_options, "limits": limits, **_server_log_settings(ns, api_key)},
         metrics_name_prefix=ns.metrics_name_prefix,
     )
 
@@ -374,6 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="deepseek_r1 | qwen3: <think> text goes to message.reasoning")
     srv.add_argument("--disable-uvicorn-access-log", action="store_true",
                      help="no access-log line per HTTP request")
+    from ingot.entrypoints.openai.limits import ServerLimits
+
+    add_dataclass_args(srv, ServerLimits)
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 

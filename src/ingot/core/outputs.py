@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import logging
-import uuid
 from dataclasses import dataclass, field
 
 from ingot.core.request import RequestStatus
+from ingot.errors import new_error_id
 from ingot.runner_output import PromptLogprobsChunk, SampledLogprobs
 
 
@@ -46,7 +46,7 @@ def failed_output(request_id: str, exc: Exception, during: str) -> EngineCoreOut
     if isinstance(exc, ValueError):
         logger.warning("request %s refused while %s: %s", request_id, during, exc)
         return EngineCoreOutput(request_id, finish_status=aborted, error=str(exc)[:1000])
-    error_id = uuid.uuid4().hex[:16]
+    error_id = new_error_id()
     logger.error("request %s failed while %s (error id %s)", request_id, during, error_id,
                  exc_info=exc)
     return EngineCoreOutput(

@@ -228,6 +228,12 @@ class EngineArgs:
     cache_dir: str | None = field(default=None, metadata=cli(
         "compile cache root (default: $INGOT_CACHE_ROOT, else ~/.cache/ingot)",
         group=COMPILATION_GROUP))
+    # Another way to set additional_config.profiler.output_dir (one config field); setting it
+    # turns the server's /start_profile and /stop_profile on.
+    profiler_dir: str | None = field(default=None, metadata=cli(
+        "enable profiling (/start_profile, /stop_profile) with traces in this directory "
+        "(default: $VLLM_TORCH_PROFILER_DIR, else off unless --additional-config sets "
+        "profiler)"))
 
     @staticmethod
     def _json_arg(name: str, value: dict[str, Any] | str | None) -> dict[str, Any]:
@@ -336,6 +342,7 @@ class EngineArgs:
                 f"unknown additional_config key(s): {', '.join(sorted(unknown))}; "
                 f"known: {', '.join(sorted(KNOWN_ADDITIONAL_CONFIG))}"
             )
+        additional_config = self._with_profiler_dir(additional_config)
         ProfilerConfig.from_dict(additional_config.get("profiler"))  # validate now
         buckets = BucketGrid.from_config(
             additional_config, max_batched, self.max_num_seqs, max_model_len, self.block_size,
@@ -746,6 +753,23 @@ class EngineArgs:
             raise ValueError(f"pooler_config normalize must be true or false, got {normalize!r}")
         return runner, convert, PoolerConfig(task, pooling_type, normalize)
 
+    def _with_profiler_dir(self, additional_config: dict[str, Any]) -> dict[str, Any]:
+        """``additional_config`` with --profiler-dir (or $VLLM_TORCH_PROFILER_DIR) as its
+        profiler.output_dir: the one field every way of enabling profiling sets."""
+        directory = self.profiler_dir or os.environ.get("VLLM_TORCH_PROFILER_DIR") or None
+        profiler = additional_config.get("profiler")
+        if directory is None or not (profiler is None or isinstance(profiler, dict)):
+            return additional_config  # nothing to add (a bad profiler value is reported)
+        given = (profiler or {}).get("output_dir")
+        if given is not None:
+            if self.profiler_dir and given != self.profiler_dir:
+                raise ValueError(
+                    f"--profiler-dir {self.profiler_dir!r} and additional_config "
+                    f"profiler.output_dir {given!r} disagree; give one"
+                )
+            return additional_config  # the explicit config wins over the environment
+        return {**additional_config, "profiler": {**(profiler or {}), "output_dir": directory}}
+
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
@@ -781,7 +805,9 @@ def _value_type(name: str, annotation: Any) -> type | None:
     raise TypeError(f"EngineArgs.{name}: no flag type for {annotation!r}; declare cli(type=...)")
 
 
-def _add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One flag per field of ``cls``, declared as ``EngineArgs``' are (the server's own
+    settings use it too)."""
     hints = typing.get_type_hints(cls)
     groups: dict[str, Any] = {}  # title -> argument group, created on first use
     for f, spec in cli_fields(cls):
@@ -805,7 +831,7 @@ def _add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One flag per ``EngineArgs`` field (vLLM's names), as its metadata declares."""
-    _add_dataclass_args(parser, EngineArgs)
+    add_dataclass_args(parser, EngineArgs)
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

@@ -12,27 +12,29 @@ import asyncio
 import hmac
 import json
 import logging
+import math
+import os
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ingot.config import EngineConfig, ProfilerConfig
 from ingot.engine.arg_utils import EngineArgs
 from ingot.engine.async_engine import AsyncLLM
 from ingot.engine.llm_engine import LLMEngine
 from ingot.engine.protocol import EngineClient, EngineDeadError
-from ingot.engine.tokenizer import apply_chat_template
 from ingot.entrypoints.openai.access_log import AccessLogMiddleware
+from ingot.entrypoints.openai.limits import ServerLimits, check_request_shape
 from ingot.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ClassificationRequest,
@@ -47,9 +49,9 @@ from ingot.entrypoints.openai.protocol import (
     message_dicts,
     now,
 )
-from ingot.entrypoints.openai.serving import ChatOptions, OpenAIServing, sse
+from ingot.entrypoints.openai.serving import ChatOptions, OpenAIServing, ServerBusyError, sse
 from ingot.entrypoints.openai.serving_pooling import OpenAIServingPooling
-from ingot.errors import EngineRequestError, PromptTooLongError, TokenIdError
+from ingot.errors import EngineRequestError, PromptTooLongError, TokenIdError, new_error_id
 from ingot.metrics.prometheus import EngineMetrics
 from ingot.version import __version__
 
@@ -64,6 +66,7 @@ _ERROR_TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     499: "invalid_request_error",
     500: "server_error",
     503: "server_error",
@@ -105,6 +108,13 @@ def body_too_large(max_bytes: int) -> HTTPError:
 OPEN_PATHS = frozenset({"/health", "/version"})
 
 
+def is_json_media_type(content_type: str) -> bool:
+    """application/json (any parameters, e.g. charset) or an application/*+json type."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/")
+                                           and media.endswith("+json"))
+
+
 @dataclass
 class ServerSettings:
     served_model_name: str
@@ -115,6 +125,10 @@ class ServerSettings:
     log_requests: bool = False  # each generation request's parameters (--enable-log-requests)
     # Chat: --chat-template (the text), tools and reasoning parsers (resolved by cli.py).
     chat_options: ChatOptions = field(default_factory=ChatOptions)
+    limits: ServerLimits = field(default_factory=ServerLimits)  # docs/serving.md, Security
+    # The engine's profiler output directory (additional_config.profiler, --profiler-dir or
+    # $VLLM_TORCH_PROFILER_DIR); None: profiling is off and its routes answer 404.
+    profiler_dir: str | None = None
 
     def needs_key(self, path: str) -> bool:
         if not self.api_key or path in OPEN_PATHS:
@@ -123,7 +137,7 @@ class ServerSettings:
 
 
 class GuardMiddleware:
-    """API key and declared body size, checked before any route runs.
+    """API key, declared body size and body type, checked before any route runs.
 
     A plain ASGI middleware rather than FastAPI's ``@app.middleware("http")``: that one wraps
     ``receive``, which hides a client's disconnect from the routes (a non-streaming request
@@ -157,6 +171,19 @@ class GuardMiddleware:
                     "missing API key; send the server's key as 'Authorization: Bearer KEY'"
                 )
                 await error_response(401, message)(scope, receive, send)
+                return
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            # Bodies are JSON. A browser may send another page's "simple" cross-site POST
+            # (text/plain, a form) to a key-less local server: refused unread. A POST without
+            # a body and without a type (curl -X POST /start_profile) is fine.
+            content_type = headers.get("content-type")
+            has_body = (length.isdigit() and int(length) > 0) or "transfer-encoding" in headers
+            if (content_type is not None or has_body) and not is_json_media_type(
+                    content_type or ""):
+                got = repr(content_type[:60]) if content_type is not None else "none"
+                message = (f"the request body must be JSON: send 'Content-Type: "
+                           f"application/json' (got {got})")
+                await error_response(415, message)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -219,25 +246,66 @@ def value_error_param(exc: ValueError) -> str | None:
 
 
 class _BadConstant:
-    """Python's json accepts NaN and Infinity, which are not JSON and would pass range checks:
-    they are parsed into this marker, then refused with the field they were found in."""
+    """Python's json accepts NaN and Infinity, which are not JSON, and parses 1e400 as
+    infinity: both would pass range checks. They are parsed into this marker, then refused
+    with the field they were found in."""
 
     def __init__(self, name: str) -> None:
         self.name = name
 
 
-def _find_bad_constant(value: Any, path: str = "") -> tuple[str, str] | None:
-    if isinstance(value, _BadConstant):
-        return path, value.name
-    items = value.items() if isinstance(value, dict) else (
-        enumerate(value) if isinstance(value, list) else ()
-    )
-    for key, item in items:
-        sub = f"{path}[{key}]" if isinstance(key, int) else (f"{path}.{key}" if path else key)
-        found = _find_bad_constant(item, sub)
-        if found:
-            return found
-    return None
+def _parse_float(text: str) -> float | _BadConstant:
+    value = float(text)
+    return value if math.isfinite(value) else _BadConstant(text)
+
+
+_NESTED = frozenset({dict, list, _BadConstant})
+
+
+def check_json_body(data: Any, max_depth: int) -> None:
+    """Every non-finite number and every container deeper than ``max_depth``, refused with
+    its field. Level by level, not recursive (a deep body must not exhaust the interpreter's
+    stack); a container's items are visited one by one only when some of them nest, so a body
+    of millions of numbers costs about what parsing it did."""
+    # levels[d]: the containers at depth d + 1, each (value, index of its parent one level up,
+    # its key there); a field's path is rebuilt from them only for the error.
+    levels: list[list[tuple[Any, int, str | int]]] = [[(data, -1, "")]]
+
+    def field(depth: int, index: int, key: str | int | None = None) -> str:
+        keys = [] if key is None else [key]
+        while depth > 0:
+            _, index, parent_key = levels[depth][index]
+            keys.append(parent_key)
+            depth -= 1
+        out = ""
+        for k in reversed(keys):
+            out += f"[{k}]" if isinstance(k, int) else (f".{k}" if out else k)
+        return out
+
+    while levels[-1]:
+        depth = len(levels) - 1
+        if depth >= max_depth:
+            path = field(depth, 0)
+            raise bad_request(
+                f"{path} nests JSON deeper than the server's limit of {max_depth} levels "
+                "(--max-json-depth); send a flatter body", path.split(".")[0].split("[")[0],
+            )
+        deeper: list[tuple[Any, int, str | int]] = []
+        for index, (value, _, _) in enumerate(levels[-1]):
+            items = value.values() if type(value) is dict else value
+            if _NESTED.isdisjoint(map(type, items)):
+                continue  # only scalars: checked in C, no item visited here
+            for key, item in value.items() if type(value) is dict else enumerate(value):
+                kind = type(item)
+                if kind is dict or kind is list:
+                    deeper.append((item, index, key))
+                elif kind is _BadConstant:
+                    path = field(depth, index, key)
+                    raise bad_request(
+                        f"the request body is not valid JSON: {path} is {item.name}, which is "
+                        "not a finite number; send a finite number", path,
+                    )
+        levels.append(deeper)
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
@@ -253,23 +321,25 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-async def parse_body(request: Request, model: type[M], max_bytes: int) -> M:
-    raw = await read_body(request, max_bytes)
+async def parse_body(request: Request, model: type[M], settings: ServerSettings) -> M:
+    raw = await read_body(request, settings.max_body_bytes)
     if not raw.strip():
         raise bad_request("the request body is empty; send a JSON object")
+    limits = settings.limits
     try:
-        data = json.loads(raw, parse_constant=_BadConstant)
+        data = json.loads(raw, parse_constant=_BadConstant, parse_float=_parse_float)
+    except RecursionError:
+        # Far deeper than any limit (the parser's own stack ran out): refused like one.
+        raise bad_request(
+            "the request body nests JSON deeper than the server's limit of "
+            f"{limits.max_json_depth} levels (--max-json-depth); send a flatter body"
+        ) from None
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
-    bad = _find_bad_constant(data)
-    if bad:
-        field, name = bad
-        raise bad_request(
-            f"the request body is not valid JSON: {field} is {name}, which is not a valid JSON "
-            "number; send a finite number", field,
-        )
+    check_request_shape(data, limits)  # first: O(1) a field, refuses huge lists unwalked
+    check_json_body(data, limits.max_json_depth)
     try:
         # Strict: a JSON string is not a number and 1 is not true; floats accept integers.
         return model.model_validate(data, strict=True)
@@ -302,14 +372,36 @@ async def _until_disconnected(request: Request, work: Awaitable[Any]) -> Any:
 
 
 def build_app(engine: EngineClient, settings: ServerSettings, metrics: EngineMetrics) -> FastAPI:
-    app = FastAPI(title="ingot", version=__version__)
+    serving = OpenAIServing(engine, settings.served_model_name, settings.log_requests,
+                            settings.chat_options, settings.limits)
+    pooling = OpenAIServingPooling(engine, settings.served_model_name)
+    model_config = engine.model_config
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if not model_config.is_pooling and engine.tokenizer is not None:
+            serving.renderer.start()  # chat requests will render templates
+        try:
+            yield
+        finally:
+            serving.renderer.close()
+
+    app = FastAPI(title="ingot", version=__version__, lifespan=lifespan)
     app.add_middleware(GuardMiddleware, settings=settings)
     if settings.access_log:
         app.add_middleware(AccessLogMiddleware)  # added last: outermost, sees 401s and 413s
-    serving = OpenAIServing(engine, settings.served_model_name, settings.log_requests,
-                            settings.chat_options)
-    pooling = OpenAIServingPooling(engine, settings.served_model_name)
-    model_config = engine.model_config
+    # The engine's failure, logged once with its traceback under the id clients are given.
+    dead_ids: dict[int, tuple[BaseException, str]] = {}
+
+    def dead_message() -> str:
+        error = engine.dead_error
+        if error is None:
+            return "the engine is shut down; restart the server"
+        if id(error) not in dead_ids:
+            dead_ids[id(error)] = (error, new_error_id())
+            logger.error("engine failure %s", dead_ids[id(error)][1], exc_info=error)
+        return (f"the engine failed ({type(error).__name__}, error id "
+                f"{dead_ids[id(error)][1]}; the server log has the details); restart the server")
 
     @app.exception_handler(HTTPError)
     async def on_http_error(_: Request, exc: HTTPError) -> JSONResponse:
@@ -334,16 +426,23 @@ def build_app(engine: EngineClient, settings: ServerSettings, metrics: EngineMet
     async def on_value_error(_: Request, exc: ValueError) -> JSONResponse:
         return error_response(400, str(exc), "invalid_request_error", value_error_param(exc))
 
-    @app.exception_handler(TemplateError)
-    async def on_template_error(_: Request, exc: TemplateError) -> JSONResponse:
-        return error_response(
-            400, f"the chat template failed on these messages: {exc}", "invalid_request_error",
-            "messages",
-        )
-
     @app.exception_handler(EngineDeadError)
     async def on_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(503, str(exc), "server_error")
+        return error_response(503, dead_message(), "server_error")
+
+    @app.exception_handler(ServerBusyError)
+    async def on_busy(_: Request, exc: ServerBusyError) -> JSONResponse:
+        response = error_response(503, str(exc), "server_error")
+        response.headers["Retry-After"] = str(exc.retry_after_s)
+        return response
+
+    def internal_error(request: Request, exc: BaseException) -> dict[str, Any]:
+        """A 500's body: a message and an id; the traceback goes to the log under the id."""
+        error_id = new_error_id()
+        logger.error("internal error %s in %s %s", error_id, request.method, request.url.path,
+                     exc_info=exc)
+        return error_body(500, f"internal server error (error id {error_id}; the server log "
+                          "has the details)", "server_error")
 
     @app.exception_handler(EngineRequestError)
     async def on_request_failed(_: Request, exc: EngineRequestError) -> JSONResponse:
@@ -351,9 +450,8 @@ def build_app(engine: EngineClient, settings: ServerSettings, metrics: EngineMet
         return error_response(500, str(exc), "server_error")
 
     @app.exception_handler(Exception)
-    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error in a request", exc_info=exc)
-        return error_response(500, f"internal server error: {exc!r}", "server_error")
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(internal_error(request, exc), status_code=500)
 
     def check_running() -> None:
         if not engine.is_running:
@@ -367,18 +465,24 @@ def build_app(engine: EngineClient, settings: ServerSettings, metrics: EngineMet
                 f"`{settings.served_model_name}`", "not_found_error", "model",
             )
 
-    def stream_response(body: AsyncIterator[str]) -> StreamingResponse:
+    def stream_response(request: Request, body: AsyncIterator[str]) -> StreamingResponse:
         async def guarded() -> AsyncIterator[str]:
             # Headers (200) are already sent: a failure can only be reported in the stream.
             try:
                 async with aclosing(body) as pieces:
                     async for piece in pieces:
                         yield piece
-            except (ValueError, EngineDeadError, EngineRequestError) as exc:
-                status = (503 if isinstance(exc, EngineDeadError)
-                          else 500 if isinstance(exc, EngineRequestError) else 400)
-                param = value_error_param(exc) if isinstance(exc, ValueError) else None
-                yield sse(error_body(status, str(exc), param=param))
+            except EngineDeadError:
+                yield sse(error_body(503, dead_message()))
+                yield "data: [DONE]\n\n"
+            except EngineRequestError as exc:  # its message carries the logged error id
+                yield sse(error_body(500, str(exc)))
+                yield "data: [DONE]\n\n"
+            except ValueError as exc:
+                yield sse(error_body(400, str(exc), param=value_error_param(exc)))
+                yield "data: [DONE]\n\n"
+            except Exception as exc:  # noqa: BLE001 - reported by id, logged in full
+                yield sse(internal_error(request, exc))
                 yield "data: [DONE]\n\n"
 
         return StreamingResponse(guarded(), media_type="text/event-stream")
@@ -393,7 +497,7 @@ def build_app(engine: EngineClient, settings: ServerSettings, metrics: EngineMet
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = await parse_body(request, CompletionRequest, settings.max_body_bytes)
+        body = await parse_body(request, CompletionRequest, settings)
         check_model(body.model)
         check_generative("/v1/completions")
         check_running()
@@ -401,23 +505,23 @@ def build_app(engine: EngineClient, settings: ServerSettings, metrics: EngineMet
             # Prepared before the response starts, so a bad request still gets its status.
             prompts, params = serving.prepare_completion(body)
             await serving.check_constraints(params, "structured_outputs")
-            return stream_response(serving.completion_stream(body, prompts, params))
+            return stream_response(request, serving.completion_stream(body, prompts, params))
         return JSONResponse(await _until_disconnected(request, serving.completion(body)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = await parse_body(request, ChatCompletionRequest, settings.max_body_bytes)
+        body = await parse_body(request, ChatCompletionRequest, settings)
         check_model(body.model)
         check_generative("/v1/chat/completions")
         check_running()
         if body.stream:
-            prompt, params = serving.prepare_chat(body)
+            prompt, params = await serving.prepare_chat(body)
             await serving.check_constraints([params], body.constraint_field)
-            return stream_response(serving.chat_stream(body, prompt, params))
+            return stream_response(request, serving.chat_stream(body, prompt, params))
         return JSONResponse(await _until_disconnected(request, serving.chat(body)))
 
     async def pooling_route(request: Request, model: type[M], handler: Any) -> Response:
-        body = await parse_body(request, model, settings.max_body_bytes)
+        body = await parse_body(request, model, settings)
         check_model(body.model)
         check_running()
         return JSONResponse(await _until_disconnected(request, handler(body)))
@@ -468,10 +572,7 @@ def build_app(engine: EngineClient, settings: ServerSettings, metrics: EngineMet
     async def health() -> Response:
         if engine.is_running:
             return Response(status_code=200)
-        return error_response(
-            503, f"the engine is not running: {engine.dead_error!r}; restart the server",
-            "server_error",
-        )
+        return error_response(503, dead_message(), "server_error")
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -479,17 +580,15 @@ def build_app(engine: EngineClient, settings: ServerSettings, metrics: EngineMet
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        body = await parse_body(request, TokenizeRequest, settings.max_body_bytes)
+        body = await parse_body(request, TokenizeRequest, settings)
         check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt or messages",
                               "prompt" if body.prompt is None else "messages")
         tokenizer = serving.need_tokenizer("prompt" if body.prompt is not None else "messages")
         if body.messages is not None:
-            text = apply_chat_template(
-                tokenizer, message_dicts(body.messages),
-                add_generation_prompt=body.add_generation_prompt,
-            )
+            text = await serving.render_chat(message_dicts(body.messages),
+                                             body.add_generation_prompt)
             tokens = tokenizer.encode(text, add_special_tokens=False)
         else:
             tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
@@ -497,7 +596,7 @@ def build_app(engine: EngineClient, settings: ServerSettings, metrics: EngineMet
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
-        body = await parse_body(request, DetokenizeRequest, settings.max_body_bytes)
+        body = await parse_body(request, DetokenizeRequest, settings)
         check_model(body.model)
         try:  # the engine's one vocabulary check
             engine.input_processor.check_vocab("tokens", body.tokens)
@@ -509,13 +608,28 @@ def build_app(engine: EngineClient, settings: ServerSettings, metrics: EngineMet
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    # Off unless enabled: a disabled route is a 404 (as vLLM's are) that names its flag.
+    def check_profiling(path: str) -> None:
+        if settings.profiler_dir is None:
+            raise HTTPError(
+                404, f"{path} is off: profiling is enabled by starting the server with "
+                "--profiler-dir DIR (or $VLLM_TORCH_PROFILER_DIR, or --additional-config "
+                "'{\"profiler\": {...}}')", "not_found_error",
+            )
+
     @app.post("/start_profile")
     async def start_profile() -> dict[str, Any]:
+        check_profiling("/start_profile")
         await engine.start_profile()
         return {"status": "profiling"}
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
+        if not settings.limits.enable_admin_routes:
+            raise HTTPError(
+                404, "/reset_prefix_cache is off: start the server with --enable-admin-routes "
+                "to serve it", "not_found_error",
+            )
         if not await engine.reset_prefix_cache():
             raise HTTPError(
                 409, "the prefix cache is in use by running requests; retry when they finish",
@@ -525,18 +639,22 @@ def build_app(engine: EngineClient, settings: ServerSettings, metrics: EngineMet
 
     @app.post("/stop_profile")
     async def stop_profile() -> dict[str, Any]:
+        check_profiling("/stop_profile")
         trace = await engine.stop_profile()
+        # Relative to the profiler directory: the client learns no path of the server's.
+        if trace is not None and settings.profiler_dir is not None:
+            trace = os.path.relpath(trace, settings.profiler_dir)
         return {"status": "stopped", "trace": trace}
 
     return app
 
 
 def build_engine(
-    args: EngineArgs, metrics_name_prefix: str = "ingot"
+    config: EngineConfig, metrics_name_prefix: str = "ingot", start: float | None = None,
 ) -> tuple[AsyncLLM, EngineMetrics, float]:
-    """The engine with its metrics wired in; returns (engine, metrics, start-up seconds)."""
-    start = time.perf_counter()
-    config = args.create_engine_config()
+    """The engine with its metrics wired in; returns (engine, metrics, start-up seconds since
+    ``start``, default now: pass when resolving the config began)."""
+    start = time.perf_counter() if start is None else start
     metrics = EngineMetrics(config.model_config.served_model_name, prefix=metrics_name_prefix)
 
     def on_abort(eng: LLMEngine, request_id: str, num_seqs: int) -> None:
@@ -559,9 +677,17 @@ def serve(engine_args: EngineArgs, host: str, port: int, settings_kwargs: dict[s
     """Build the engine, then serve until interrupted."""
     import uvicorn
 
-    engine, metrics, elapsed = build_engine(engine_args, metrics_name_prefix)
+    start = time.perf_counter()
+    config = engine_args.create_engine_config()
+    engine, metrics, elapsed = build_engine(config, metrics_name_prefix, start)
     served = engine.model_config.served_model_name
-    settings = ServerSettings(served_model_name=served, **settings_kwargs)
+    profiler = config.additional_config.get("profiler")
+    settings = ServerSettings(
+        served_model_name=served,
+        profiler_dir=ProfilerConfig.from_dict(profiler).output_dir if profiler is not None
+        else None,
+        **settings_kwargs,
+    )
     app = build_app(engine, settings, metrics)
     logger.info("ready: serving %s on http://%s:%d (%.1fs)", served, host, port, elapsed)
     try:

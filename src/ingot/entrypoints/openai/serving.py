@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import weakref
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
@@ -15,9 +16,10 @@ from ingot.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from ingot.engine.processor import EMPTY_PROMPT
 from ingot.engine.prompt_embeds import PROMPT_EMBEDS_PLACEHOLDER, decode_prompt_embeds
 from ingot.engine.protocol import EngineClient
-from ingot.engine.tokenizer import apply_chat_template
 from ingot.entrypoints.openai.access_log import record_usage
 from ingot.entrypoints.openai.chat_output import ChatOutputParser, finish_reason
+from ingot.entrypoints.openai.chat_templates import ChatTemplateRenderer
+from ingot.entrypoints.openai.limits import ServerLimits
 from ingot.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -36,12 +38,30 @@ from ingot.sampling_params import SamplingParams
 request_logger = logging.getLogger("ingot.requests")
 
 
+class Waiting:
+    """A prompt's sequences (its n) from admission until their first output. The server
+    counts the live ones (``OpenAIServing.num_waiting``): one is dropped at the first output,
+    and with its request however that ends, so the count cannot drift."""
+
+    __slots__ = ("seqs", "__weakref__")
+
+    def __init__(self, seqs: int) -> None:
+        self.seqs = seqs
+
+
+class ServerBusyError(Exception):
+    """Too many sequences wait already: a 503 with Retry-After, before any stream starts."""
+
+    retry_after_s = 1
+
+
 @dataclass
 class PreparedPrompt:
     text: str | None
     token_ids: list[int]  # placeholders, one per row, for a prompt_embeds prompt
     embeds: Any = None  # a checked [seq_len, hidden] tensor (prompt_embeds)
     tools: ToolRequest | None = None  # chat: the request's tool settings
+    waiting: Waiting | None = None  # set when the request is admitted
 
 
 @dataclass
@@ -183,9 +203,14 @@ def silence_too_long_warning() -> None:
 
 class OpenAIServing:
     def __init__(self, engine: EngineClient, served_model_name: str,
-                 log_requests: bool = False, chat_options: ChatOptions | None = None) -> None:
+                 log_requests: bool = False, chat_options: ChatOptions | None = None,
+                 limits: ServerLimits | None = None) -> None:
         self.engine = engine
         self.chat_options = chat_options or ChatOptions()
+        self.limits = limits or ServerLimits()
+        self.renderer = ChatTemplateRenderer(self.limits.chat_template_timeout_s,
+                                             self.limits.max_chat_template_output_chars)
+        self._waiting: weakref.WeakSet[Waiting] = weakref.WeakSet()
         self.served_model_name = served_model_name
         self.log_requests = log_requests
         silence_too_long_warning()
@@ -222,29 +247,61 @@ class OpenAIServing:
             prepared.append(PreparedPrompt(text, token_ids))
         return prepared
 
-    def chat_prompt(
+    async def chat_prompt(
         self, request: ChatCompletionRequest, tools: ToolRequest | None = None
     ) -> PreparedPrompt:
         if not request.messages:
             raise RequestValueError("messages is empty; give at least one message", "messages")
         tokenizer = self.need_tokenizer("messages")
+        if request.chat_template is not None and not self.limits.trust_request_chat_template:
+            raise RequestValueError(
+                "chat_template: this server does not run a request's own chat template (it is "
+                "code the server would execute); leave the field out to use the model's "
+                "template, or start the server with --trust-request-chat-template",
+                "chat_template",
+            )
         template = request.chat_template or self.chat_options.chat_template
         kwargs = request.template_kwargs()
         messages = request.message_dicts()
-        if tools is not None and tools.render_tools:
-            kwargs["tools"] = tools.tools
+        render_tools = tools.tools if tools is not None and tools.render_tools else None
         # Tool calls and results in the conversation need a template that renders them too.
-        if template is None and ("tools" in kwargs or any(
+        if template is None and (render_tools or any(
                 m.get("tool_calls") or m["role"] == "tool" for m in messages)):
             template = self._tools_template(tokenizer)
-        text = apply_chat_template(
-            tokenizer,
-            messages,
-            add_generation_prompt=request.add_generation_prompt,
-            chat_template=template,
-            **kwargs,
+        text = await self.render_chat(
+            messages, request.add_generation_prompt, template, render_tools, kwargs,
+            "chat_template" if request.chat_template is not None else "messages",
         )
         return PreparedPrompt(text, tokenizer.encode(text, add_special_tokens=False), tools=tools)
+
+    async def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+        template: str | None = None, tools: list[dict[str, Any]] | None = None,
+        kwargs: dict[str, Any] | None = None, param: str = "messages",
+    ) -> str:
+        """``messages`` through ``template`` (None: the server's or the model's), rendered
+        within the server's limits (chat_templates.py), as ``tokenizer.apply_chat_template``
+        would render them."""
+        tokenizer = self.need_tokenizer("messages")
+        if template is None:
+            template = self.chat_options.chat_template
+        if template is None and not getattr(tokenizer, "chat_template", None):
+            raise RequestValueError(
+                "the model has no chat template; start the server with --chat-template FILE, "
+                "or send a plain prompt to /v1/completions", "messages",
+            )
+        try:
+            # A name picks one of the model's templates (and "tool_use" for tools).
+            text = tokenizer.get_chat_template(template, tools)
+        except ValueError as exc:
+            raise RequestValueError(str(exc), param) from None
+        # The template sees the special tokens (bos_token, ...) as apply_chat_template passes
+        # them; the request's kwargs win.
+        special = dict(getattr(tokenizer, "special_tokens_map", {}))
+        return await self.renderer.render(
+            text, messages, add_generation_prompt=add_generation_prompt, tools=tools,
+            kwargs={**special, **(kwargs or {})}, param=param,
+        )
 
     @staticmethod
     def _tools_template(tokenizer: Any) -> str | None:
@@ -257,8 +314,7 @@ class OpenAIServing:
             return tools_chat_template()
         raise RequestValueError(
             "the model's chat template does not render tools; start the server with "
-            "--chat-template FILE (a template with a tools section) or send the request's "
-            "chat_template", "tools",
+            "--chat-template FILE (a template with a tools section)", "tools",
         )
 
     def _output_parsers(self, tools: ToolRequest | None) -> Any:
@@ -295,6 +351,42 @@ class OpenAIServing:
         except TokenIdError as exc:
             raise RequestValueError(str(exc), exc.param) from None
 
+    # ---- admission: the waiting queue ----------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        """Sequences admitted that have not produced their first output yet: queued in the
+        engine, or in their prefill."""
+        return sum(w.seqs for w in self._waiting)
+
+    def admit(self, prompts: list[PreparedPrompt], n: int) -> None:
+        """Count the request's sequences as waiting, or refuse it (503) when the queue would
+        pass ``--max-waiting-requests``. An empty queue admits any request (each is bounded
+        by --max-sequences-per-request)."""
+        waiting = self.num_waiting
+        limit = self.limits.max_waiting_requests
+        if waiting and waiting + len(prompts) * n > limit:
+            raise ServerBusyError(
+                f"the server is busy: {waiting} sequences wait to start, and this request's "
+                f"{len(prompts) * n} would pass the limit of {limit} (--max-waiting-requests); "
+                f"retry in {ServerBusyError.retry_after_s} s"
+            )
+        for p in prompts:
+            p.waiting = Waiting(n)
+            self._waiting.add(p.waiting)
+
+    async def _started(
+        self, stream: AsyncIterator[RequestOutput], waiting: Waiting | None
+    ) -> AsyncIterator[RequestOutput]:
+        """``stream``, no longer counted as waiting from its first output (or its end)."""
+        try:
+            async for out in stream:
+                if waiting is not None:
+                    self._waiting.discard(waiting)
+                yield out
+        finally:
+            if waiting is not None:
+                self._waiting.discard(waiting)
+
     def _streams(
         self, prompts: list[PreparedPrompt], params_list: list[SamplingParams], prefix: str,
         cache_salt: str | None = None,
@@ -305,11 +397,11 @@ class OpenAIServing:
                                     len(p.token_ids), params)
         salt = {} if cache_salt is None else {"cache_salt": cache_salt}
         return [
-            self.engine.generate(
+            self._started(self.engine.generate(
                 {"prompt_embeds": p.embeds, **salt} if p.embeds is not None
                 else {"prompt": p.text, "prompt_token_ids": p.token_ids, **salt},
                 params, f"{prefix}-{i}",
-            )
+            ), p.waiting)
             for i, (p, params) in enumerate(zip(prompts, params_list, strict=True))
         ]
 
@@ -357,6 +449,7 @@ class OpenAIServing:
             check_prompt_fits(len(p.token_ids), params.max_tokens, self.max_model_len)
             self.check_token_ids(params)
             params_list.append(params)
+        self.admit(prompts, request.n)
         return prompts, params_list
 
     @staticmethod
@@ -480,10 +573,12 @@ class OpenAIServing:
         }
 
     # ---- chat ----------------------------------------------------------------------------
-    def prepare_chat(self, request: ChatCompletionRequest) -> tuple[PreparedPrompt, SamplingParams]:
+    async def prepare_chat(
+        self, request: ChatCompletionRequest
+    ) -> tuple[PreparedPrompt, SamplingParams]:
         tools = parse_tool_request(request.tools, request.tool_choice, request.parallel_tool_calls,
                                    self.chat_options.enable_auto_tool_choice)
-        prompt = self.chat_prompt(request, tools)
+        prompt = await self.chat_prompt(request, tools)
         try:  # the template or a message may hold ids the tokenizer adds beyond the model's
             self.processor.check_token_ids(prompt.token_ids, "messages")
         except ValueError as exc:
@@ -501,6 +596,7 @@ class OpenAIServing:
         check_prompt_fits(len(prompt.token_ids), params.max_tokens, self.max_model_len,
                           request.max_tokens_field, "messages")
         self.check_token_ids(params)
+        self.admit([prompt], request.n)
         return prompt, params
 
     @staticmethod
@@ -525,7 +621,7 @@ class OpenAIServing:
         }
 
     async def chat(self, request: ChatCompletionRequest) -> dict[str, Any]:
-        prompt, params = self.prepare_chat(request)
+        prompt, params = await self.prepare_chat(request)
         await self.check_constraints([params], request.constraint_field)
         request_id = random_id("chatcmpl")
         final = None

@@ -9,6 +9,7 @@ to that function's arguments, so their arguments always validate against the too
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,8 +89,9 @@ def parse_tool_request(
                                     "tools")
         for i, tool in enumerate(tools):
             _check_tool(i, tool)
-        names = [t["function"]["name"] for t in tools]
-        dup = sorted({n for n in names if names.count(n) > 1})
+        # Counted in one pass: names.count per name was quadratic (60k tools took minutes).
+        counts = Counter(t["function"]["name"] for t in tools)
+        dup = sorted(n for n, c in counts.items() if c > 1)
         if dup:
             raise RequestValueError(f"tools: duplicate function name(s) {dup}", "tools")
     tools = tools or []
@@ -108,7 +110,7 @@ def parse_tool_request(
         )
     if mode != "none" and not tools:
         raise RequestValueError(f"tool_choice {mode!r} needs tools", "tool_choice")
-    if mode == "named" and function not in [t["function"]["name"] for t in tools]:
+    if mode == "named" and not any(t["function"]["name"] == function for t in tools):
         raise RequestValueError(f"tool_choice names function {function!r}, which is not in tools",
                                 "tool_choice")
     if mode == "auto" and not auto_enabled:
