@@ -149,10 +149,12 @@ def test_frames_without_the_secret_are_dropped_and_logged_never_decoded(tmp_path
     receiver = Link(KEY, SCHEMA)
     forged = [
         Link(b"w" * 32, {}, 0).seal("result", pickle.dumps(_Exploit(str(target)))),
-        [pickle.dumps(_Exploit(str(target)))],  # the old protocol's frame
+        pickle.dumps(_Exploit(str(target))),  # the old protocol's frame
         Link(b"w" * 32, {}, 0).seal("error", RemoteError(["SystemExit"], "die")),
-        [b"\0" * 32, *Link(KEY, {}, 0).seal("result", 1)[1:]],  # a right frame, no MAC
-        Link(KEY, {}, 0).seal("result", 1)[:2],  # a part missing
+        b"\0" * 32 + Link(KEY, {}, 0).seal("result", 1)[32:],  # a right frame, no MAC
+        Link(KEY, {}, 0).seal("result", 1)[:-1],  # one byte short
+        Link(KEY, {}, 0).seal("result", 1)[:33],  # shorter than its header says
+        b"",
     ]
     with caplog.at_level(logging.WARNING, logger="ingot"):
         assert [receiver.open(f) for f in forged] == [None] * len(forged)
@@ -177,11 +179,11 @@ def test_tcp_peers_without_the_secret_cannot_send_or_take_messages():
         plain.connect(addr)
         wrong = wire.connect(ctx, zmq.PUSH, addr, b"w" * 32)
         for sock in (plain, wrong):
-            sock.send_multipart(Link(b"w" * 32, {}, 0).seal("result", "forged"), zmq.NOBLOCK)
+            sock.send(Link(b"w" * 32, {}, 0).seal("result", "forged"), zmq.NOBLOCK)
         right = wire.connect(ctx, zmq.PUSH, addr, KEY)
-        right.send_multipart(Link(KEY, {}, 1).seal("result", "ours"))
+        right.send(Link(KEY, {}, 1).seal("result", "ours"))
         assert results.poll(5000)
-        assert Link(KEY, SCHEMA).open(results.recv_multipart()) == (1, "result", "ours")
+        assert Link(KEY, SCHEMA).open(results.recv()) == (1, "result", "ours")
         assert not results.poll(500)  # the others' frames never arrived
 
         calls = wire.bind(ctx, zmq.PUSH, "tcp://127.0.0.1:*", KEY)
@@ -191,10 +193,10 @@ def test_tcp_peers_without_the_secret_cannot_send_or_take_messages():
         worker = wire.connect(ctx, zmq.PULL, addr, KEY)
         time.sleep(0.5)  # both connected (or refused) before the calls go out
         for i in range(10):
-            calls.send_multipart(Link(KEY, {}, 0).seal("result", i))
+            calls.send(Link(KEY, {}, 0).seal("result", i))
         got = []
         while worker.poll(2000) and len(got) < 10:
-            got.append(Link(KEY, SCHEMA).open(worker.recv_multipart())[2])
+            got.append(Link(KEY, SCHEMA).open(worker.recv())[2])
         assert got == list(range(10))  # every call reached the worker, none the thief
         assert not thief.poll(200)
     finally:

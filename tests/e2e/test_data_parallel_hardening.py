@@ -108,9 +108,9 @@ def test_peers_without_the_secret_reach_nothing_over_tcp(nodes, baseline, tmp):
         with HealthWatch(server) as watch:
             for sock in (plain, wrong):
                 sock.send(exploit, zmq.NOBLOCK)
-                sock.send_multipart(stranger.seal("failed", "forged: replica 1 is gone"),
+                sock.send(stranger.seal("failed", "forged: replica 1 is gone"),
                                     zmq.NOBLOCK)
-                sock.send_multipart(stranger.seal("rpc", RemoteError(["SystemExit"], "die")),
+                sock.send(stranger.seal("rpc", RemoteError(["SystemExit"], "die")),
                                     zmq.NOBLOCK)
             for _ in range(4):  # both replicas serve: every call reached replica 1 whole
                 assert greedy_answer(server) == baseline
@@ -136,7 +136,7 @@ def test_frames_without_the_secret_on_the_local_replicas_socket_are_dropped(node
     try:
         with HealthWatch(server) as watch:
             sock.send(pickle.dumps(Exploit(str(target))))
-            sock.send_multipart(stranger.seal("failed", "forged: replica 0 is gone"))
+            sock.send(stranger.seal("failed", "forged: replica 0 is gone"))
             time.sleep(1)  # the front end's health check reads (and drops) them
             assert greedy_answer(server) == baseline
         watch.assert_healthy()

@@ -25,7 +25,7 @@ def child(index: int, behaviour: dict, link: wire.ChildLink) -> None:
         return
     out = wire.connect(zmq.Context(), zmq.PUSH, link.out_addr, link.key)
     frames = wire.Link(link.key, {}, index)
-    out.send_multipart(frames.seal(wire.HELLO))
+    out.send(frames.seal(wire.HELLO))
     if what != "hello":
-        out.send_multipart(frames.seal("ok", f"ready {index}"))
+        out.send(frames.seal("ok", f"ready {index}"))
     time.sleep(60)  # alive until the test stops it

@@ -92,10 +92,9 @@ def run_remote_children(target: Callable[..., None], indices: range,
             for i, proc in procs.items():
                 if proc.is_alive():
                     running += 1
-                    beat.send_multipart(links[i].seal(ALIVE))
+                    beat.send(links[i].seal(ALIVE))
                 elif proc.exitcode != 0:
-                    beat.send_multipart(links[i].seal(FAILED,
-                                                      f"exited with code {proc.exitcode}"))
+                    beat.send(links[i].seal(FAILED, f"exited with code {proc.exitcode}"))
                     logger.error("%s %d exited with code %s", kind, i, proc.exitcode)
                     return 1
             if running == 0:

@@ -62,7 +62,7 @@ class Inbox:
 
     def recv(self) -> tuple[str, Any] | None:
         """The next call (waiting for it); None for a frame that was dropped."""
-        message = self._link.open(self._sock.recv_multipart())
+        message = self._link.open(self._sock.recv())
         return None if message is None else message[1:]
 
 
@@ -87,16 +87,16 @@ def child_links(
     ctx = zmq.Context()
     inbox = wire.connect(ctx, zmq.PULL, link.in_addr, link.key)
     outbox = wire.connect(ctx, zmq.PUSH, link.out_addr, link.key)
-    frames = wire.Link(link.key, calls, index)
+    ends = wire.Link(link.key, calls, index)
 
     def reply(kind: str, value: Any) -> None:
         try:
-            message = frames.seal(kind, value)
+            frame = ends.seal(kind, value)
         except (TypeError, ValueError) as exc:  # see the docstring
-            message = frames.seal(*unencodable(kind, value, exc))
-        outbox.send_multipart(message)
+            frame = ends.seal(*unencodable(kind, value, exc))
+        outbox.send(frame)
 
-    return Inbox(inbox, frames), reply
+    return Inbox(inbox, ends), reply
 
 
 def _cleanup(procs: list[Any], ctx: zmq.Context, tmpdir: str) -> None:
@@ -208,16 +208,16 @@ class ChildProcesses:
         for), and it goes with the directory."""
         return f"file://{self.tmpdir}/dist-init"
 
-    def seal(self, kind: str, value: Any = None) -> list[bytes]:
-        """A call as frames, for ``send`` (to one child or, sealed once, to each)."""
+    def seal(self, kind: str, value: Any = None) -> bytes:
+        """A call as a frame, for ``send`` (to one child or, sealed once, to each)."""
         return self.link.seal(kind, value)
 
-    def send(self, i: int, frames: list[bytes], flags: int = 0) -> None:
+    def send(self, i: int, frame: bytes, flags: int = 0) -> None:
         if i < self.local:
-            self.inboxes[i].send_multipart(frames, flags)
+            self.inboxes[i].send(frame, flags)
         else:
             assert self.remote is not None
-            self.remote.inboxes[i].send_multipart(frames, flags)
+            self.remote.inboxes[i].send(frame, flags)
 
     def recv(self, timeout_s: float) -> tuple[int, str, Any] | None:
         """The next reply, (child index, kind, value), or None after ``timeout_s`` without one
@@ -228,7 +228,7 @@ class ChildProcesses:
             if not events:
                 return None
             sock = next(iter(events))
-            message = self.link.open(sock.recv_multipart())
+            message = self.link.open(sock.recv())
             if message is None:
                 continue
             i, kind, value = message

@@ -280,9 +280,9 @@ class DPEngineCoreClient:
         """``method`` on every replica; one result per replica, rank order."""
         call_id = next(self._call_ids)
         self._check_alive()
-        frames = self._children.seal("rpc", CoreCall(call_id, method, list(args), kwargs or {}))
+        frame = self._children.seal("rpc", CoreCall(call_id, method, list(args), kwargs or {}))
         for rank in range(self.dp_size):
-            self._children.send(rank, frames)
+            self._children.send(rank, frame)
         while len(self._replies.get(call_id, {})) < self.dp_size:
             self._receive(_REPLY_POLL_S)
         replies = self._replies.pop(call_id)
@@ -348,9 +348,9 @@ class DPEngineCoreClient:
         if self._dead is None:
             try:
                 call_id = next(self._call_ids)
-                frames = self._children.seal("shutdown", call_id)
+                frame = self._children.seal("shutdown", call_id)
                 for rank in range(self.dp_size):
-                    self._children.send(rank, frames, zmq.NOBLOCK)
+                    self._children.send(rank, frame, zmq.NOBLOCK)
                 deadline = 30.0
                 while len(self._replies.get(call_id, {})) < self.dp_size and deadline > 0:
                     self._receive(_REPLY_POLL_S)

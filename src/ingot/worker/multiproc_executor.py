@@ -272,11 +272,11 @@ class MultiprocExecutor(FanOutExecutor):
         assert self._children is not None
         if method == "execute_model":
             (scheduler_output,) = args
-            frames = self._children.seal("step", scheduler_output)
+            frame = self._children.seal("step", scheduler_output)
         else:  # TypeError here, before anything is sent, for what cannot travel
-            frames = self._children.seal("call", Call(method, list(args), kwargs or {}))
+            frame = self._children.seal("call", Call(method, list(args), kwargs or {}))
         for rank in range(self.world_size):
-            self._children.send(rank, frames)
+            self._children.send(rank, frame)
         reply = _Reply(self)
         self._pending.append((reply, rpc_label(method), pick))
         return reply
@@ -305,9 +305,9 @@ class MultiprocExecutor(FanOutExecutor):
             self._collect_until(self._pending[-1][0])
         if self._dead is None:
             try:
-                frames = self._children.seal("shutdown")
+                frame = self._children.seal("shutdown")
                 for rank in range(self.world_size):
-                    self._children.send(rank, frames, zmq.NOBLOCK)
+                    self._children.send(rank, frame, zmq.NOBLOCK)
                 self._gather("shut down", True, timeout=10)
             except (WorkerProcessError, zmq.ZMQError):
                 pass
