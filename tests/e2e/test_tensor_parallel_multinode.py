@@ -8,8 +8,9 @@ experts; the collectives go over gloo, never the shared memory that one host wou
 shutting node 0 down ends node 1's launcher.
 
 The Ray executor (``--distributed-executor-backend ray``) is checked here too, against the same
-TP=1 reference: the same Worker in two Ray actors on a small local Ray gives TP=1's tokens, and
-killing one actor makes the next request fail with an error naming the rank, never a hang."""
+TP=1 reference: the same Worker in two Ray actors on a small local Ray gives TP=1's tokens, an
+RPC that raises is the caller's error (the actors serve on), and killing one actor makes the
+next request fail with an error naming the rank, never a hang."""
 
 from __future__ import annotations
 
@@ -132,7 +133,11 @@ def test_ray_executor_tp2_equals_tp1_and_a_dead_actor_fails_requests(moe_dir, ru
             assert len(pids) == 2 and os.getpid() not in pids  # two actors, not this process
             assert [s["tp_collectives"] for s in stats] == ["shm", "shm"]  # one node
             assert [s["local_experts"] for s in stats] == [(0, 4), (0, 4)]  # TP of experts
+            # An RPC's error is the caller's (issue #31): the actors serve on.
+            with pytest.raises(AttributeError, match="no RPC method '_nope'"):
+                llm.llm_engine.collective_rpc("_nope")
             llm.llm_engine.check_health()  # all alive
+            assert _outputs(llm)[0] == runs[0][0]
             executor = llm.llm_engine.engine_core.executor
             ray.kill(executor.workers[1])
             start = time.monotonic()

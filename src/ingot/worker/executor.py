@@ -17,6 +17,7 @@ a worker only ever does one thing at a time.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from abc import ABC, abstractmethod
@@ -35,6 +36,9 @@ RpcMethod = str | Callable[..., Any] | RpcName
 #: others waiting there, and the workers are broken (any other RPC's error is only returned).
 STEP_METHODS = frozenset({"execute_model", "execute_dummy_batch", "dp_has_unfinished",
                           "determine_num_blocks", "initialize_cache"})
+#: How long the other ranks may take to answer a call that one rank failed (a registered
+#: function may hold them in a collective with it) before the workers are taken as stuck.
+RPC_ERROR_GRACE_S = float(os.environ.get("INGOT_RPC_ERROR_GRACE_S", "30"))
 
 
 def rpc_label(method: RpcMethod) -> str:

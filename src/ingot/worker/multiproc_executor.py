@@ -27,7 +27,6 @@ every node needs the same secret (``INGOT_RPC_SECRET`` or ``--rpc-secret-file``)
 from __future__ import annotations
 
 import logging
-import os
 import time
 import traceback
 from collections import deque
@@ -50,6 +49,7 @@ from ingot.distributed.wire import FAILED, HELLO, ChildLink, RemoteError, requir
 from ingot.runner_output import ModelRunnerOutput
 from ingot.sched_output import SchedulerOutput
 from ingot.worker.executor import (
+    RPC_ERROR_GRACE_S,
     STEP_METHODS,
     FanOutExecutor,
     RpcMethod,
@@ -60,9 +60,6 @@ from ingot.worker.executor import (
 logger = logging.getLogger("ingot")
 
 _POLL_S = 0.1
-#: How long the other ranks may take to answer a call that one rank failed (a registered
-#: function may hold them in a collective with it) before the workers are taken as stuck.
-RPC_ERROR_GRACE_S = float(os.environ.get("INGOT_RPC_ERROR_GRACE_S", "30"))
 
 
 class Call(msgspec.Struct, array_like=True):
