@@ -183,6 +183,9 @@ class ParallelConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 29501
+    #: Multi-node (either kind): a file holding the secret every node shares (None: the
+    #: INGOT_RPC_SECRET env var); distributed/wire.py authenticates every frame with it.
+    rpc_secret_file: str | None = None
 
     @property
     def tp_ranks_local(self) -> int:

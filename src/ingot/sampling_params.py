@@ -171,7 +171,9 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self._verify()
-        self.all_stop_token_ids = set(self.stop_token_ids)
+        # Kept when given: params decoded from another process (distributed/wire.py) carry
+        # the ids the engine added.
+        self.all_stop_token_ids = set(self.stop_token_ids) | set(self.all_stop_token_ids)
 
     def _verify(self) -> None:
         def bad(name: str, value: object, rule: str) -> ValueError:

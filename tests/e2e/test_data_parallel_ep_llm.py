@@ -13,6 +13,7 @@ import pytest
 from tiny import make_tiny_model
 
 from ingot import LLM, SamplingParams
+from ingot.distributed.wire import rpc_function
 
 pytestmark = pytest.mark.slow  # two engines, one of two replicas: ~25 s here
 
@@ -22,6 +23,7 @@ PROMPTS = [[3, 17, 92, 45, 200, 11, 8, 250, 77, 5, 133], [9, 8, 7], list(range(4
 MAX_TOKENS = [20, 3, 12, 30, 5]
 
 
+@rpc_function  # it runs in the replicas' processes
 def layout(worker: Any) -> tuple[int, int, int, list[int], int]:
     """(global rank, first local expert, local experts, DP group ranks, dummy steps run)."""
     from ingot.distributed.parallel_state import get_dp_group

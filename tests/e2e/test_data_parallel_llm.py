@@ -12,6 +12,7 @@ import pytest
 from tiny import make_tiny_model
 
 from ingot import LLM, SamplingParams
+from ingot.distributed.wire import rpc_function
 from ingot.platforms.cpu_threads import detect_cpu_budget
 
 pytestmark = pytest.mark.slow  # four engines, two of them data-parallel: ~40 s here
@@ -21,6 +22,7 @@ PROMPTS = [[3, 17, 92, 45, 200, 11, 8, 250, 77, 5, 133], [9, 8, 7], list(range(4
            [100, 101], [60, 7, 7, 7, 60]]
 
 
+@rpc_function  # it runs in the replicas' processes
 def placement(worker: Any) -> tuple[int, int | None, int]:
     """(global rank, size of the torch.distributed world it joined or None, compute threads)."""
     import torch

@@ -6,6 +6,7 @@ in-flight request fails with an error within 30 s and /health turns 503, instead
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -144,14 +145,15 @@ def test_two_node_launch_on_localhost(tiny_llama_dir, tmp_path, dp1_answers):
 
     rpc = ["--data-parallel-size", "2", "--data-parallel-size-local", "1",
            "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(free_port())]
+    env = {**os.environ, "INGOT_RPC_SECRET": secrets.token_hex(32)}  # both nodes share it
     with open(tmp_path / "headless.log", "w") as log:
         headless = subprocess.Popen(
             [sys.executable, "-m", "ingot.cli.main", "serve", str(tiny_llama_dir),
              *TINY_FLAGS, *rpc, "--data-parallel-start-rank", "1", "--headless"],
-            stdout=log, stderr=subprocess.STDOUT)
+            stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         with run_server([str(tiny_llama_dir), *TINY_FLAGS, *rpc], tmp_path,
-                        startup_timeout=120) as server:
+                        startup_timeout=120, env=env) as server:
             assert _answers(server) == dp1_answers
             assert min(_routed(server)) > 0  # the other node served some of them
         assert headless.wait(timeout=30) == 0, (tmp_path / "headless.log").read_text()

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from ingot import LLM, SamplingParams
-from ingot.distributed.supervision import WorkerProcessError
+from ingot.distributed.wire import rpc_function
 from ingot.engine.arg_utils import EngineArgs
 from ingot.engine.async_engine import AsyncLLM
 from ingot.engine.llm_engine import LLMEngine
@@ -138,14 +138,21 @@ def test_worker_error_is_raised_and_the_executor_reports_it(tiny_llama_dir):
     engine = _engine(tiny_llama_dir, prefills=8, backend="mp")
     try:
         assert not engine.workers_are_local
-        with pytest.raises(WorkerProcessError, match="no_such_method"):
+        # An RPC's error is the caller's (issue #31): the workers serve on.
+        with pytest.raises(AttributeError, match="no RPC method 'no_such_method'"):
             engine.collective_rpc("no_such_method")
+        engine.check_health()
         with pytest.raises(ValueError, match="distributed_executor_backend='uni'"):
             from ingot.accuracy.ingot_runner import local_worker
 
             local_worker(engine)
     finally:
         engine.shutdown()
+
+
+@rpc_function
+def _drop_runner(worker) -> None:  # noqa: ANN001
+    worker.model_runner = None
 
 
 @pytest.mark.parametrize("backend,async_scheduling", [("mp", False), ("uni", True)])
@@ -163,8 +170,8 @@ def test_worker_failure_mid_request_fails_the_stream_not_hangs(
         params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
         stream = llm.generate([5] * 10, params, "long")
         await stream.__anext__()
-        # The worker's next step raises (its runner is gone): setattr pickles by reference.
-        await llm.call(lambda: llm.engine.collective_rpc(setattr, ("model_runner", None)))
+        # The worker's next step raises (its runner is gone).
+        await llm.call(lambda: llm.engine.collective_rpc(_drop_runner))
         with pytest.raises(EngineDeadError):
             async for _ in stream:
                 pass

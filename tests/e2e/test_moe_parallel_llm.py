@@ -10,12 +10,14 @@ import pytest
 from tiny import make_tiny_model
 
 from ingot import LLM, SamplingParams
+from ingot.distributed.wire import rpc_function
 
 pytestmark = pytest.mark.slow  # three engines, two with two worker processes: ~15 s here
 
 PROMPTS = [[3, 17, 92, 45, 200, 11, 8, 250, 77, 5, 133], [9, 8, 7], list(range(40, 70))]
 
 
+@rpc_function  # it runs in the workers' processes
 def expert_layout(worker: Any) -> tuple[int, int, tuple[int, ...]]:
     """(first local expert, local experts, w13 shape) of a worker's first MoE layer."""
     layer = next(m for m in worker.model.modules() if hasattr(m, "w13"))
@@ -47,7 +49,7 @@ def test_moe_greedy_tokens_under_tp2_equal_tp1(moe_dir, tp1):
     tokens, layout = _greedy(moe_dir, tensor_parallel_size=2)
     assert tokens == tp1[0]
     # Every expert on both ranks, half of the intermediate dim (32) each.
-    assert layout == [(0, 4, (4, 32, 64)), (0, 4, (4, 32, 64))]
+    assert layout == [[0, 4, [4, 32, 64]], [0, 4, [4, 32, 64]]]  # plain data: lists
 
 
 def test_moe_greedy_tokens_under_expert_parallel_equal_tp1(moe_dir, tp1):
@@ -55,4 +57,4 @@ def test_moe_greedy_tokens_under_expert_parallel_equal_tp1(moe_dir, tp1):
                              additional_config={"ep_degree": 2})
     assert tokens == tp1[0]
     # Experts 0-1 on rank 0, 2-3 on rank 1, the whole intermediate dim.
-    assert layout == [(0, 2, (2, 64, 64)), (2, 2, (2, 64, 64))]
+    assert layout == [[0, 2, [2, 64, 64]], [2, 2, [2, 64, 64]]]

@@ -8,12 +8,14 @@ experts; the collectives go over gloo, never the shared memory that one host wou
 shutting node 0 down ends node 1's launcher.
 
 The Ray executor (``--distributed-executor-backend ray``) is checked here too, against the same
-TP=1 reference: the same Worker in two Ray actors on a small local Ray gives TP=1's tokens, and
-killing one actor makes the next request fail with an error naming the rank, never a hang."""
+TP=1 reference: the same Worker in two Ray actors on a small local Ray gives TP=1's tokens, an
+RPC that raises is the caller's error (the actors serve on), and killing one actor makes the
+next request fail with an error naming the rank, never a hang."""
 
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -51,8 +53,14 @@ def _outputs(llm: LLM) -> tuple[list, list]:
 @pytest.fixture(scope="module")
 def runs(moe_dir, tmp_path_factory):
     port = free_port()
+    # The secret both nodes share (--rpc-secret-file; the other form, INGOT_RPC_SECRET, is
+    # test_data_parallel_hardening.py's).
+    secret = tmp_path_factory.mktemp("secret") / "rpc-secret"
+    secret.write_text(secrets.token_hex(32))
+    secret.chmod(0o600)
     nodes = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
-             "--master-port", str(port), "--enable-expert-parallel"]
+             "--master-port", str(port), "--enable-expert-parallel", "--rpc-secret-file",
+             str(secret)]
     log_path = tmp_path_factory.mktemp("node1") / "node1.log"
     # Node 1 first: its rank waits in the rendezvous while the TP 1 reference runs.
     with open(log_path, "w") as log:
@@ -69,7 +77,7 @@ def runs(moe_dir, tmp_path_factory):
             llm.llm_engine.shutdown()
         llm = LLM(str(moe_dir), skip_tokenizer_init=True, tensor_parallel_size=2, nnodes=2,
                   node_rank=0, master_addr="127.0.0.1", master_port=port,
-                  enable_expert_parallel=True, **COMMON)
+                  enable_expert_parallel=True, rpc_secret_file=str(secret), **COMMON)
         try:
             got = _outputs(llm)
             stats = llm.llm_engine.collective_rpc("startup_stats")
@@ -103,7 +111,8 @@ def test_each_node_runs_its_rank_over_gloo(runs):
     assert [s["tp_collectives"] for s in stats] == ["gloo", "gloo"]
     assert stats[0]["pid"] != stats[1]["pid"]
     assert stats[0]["num_blocks"] == stats[1]["num_blocks"] > 0
-    assert [s["local_experts"] for s in stats] == [(0, 2), (2, 2)]  # EP over the nodes
+    # EP over the nodes (the results came back as plain data: lists)
+    assert [s["local_experts"] for s in stats] == [[0, 2], [2, 2]]
 
 
 def test_node1_launcher_exits_cleanly_after_node0_shuts_down(runs):
@@ -124,7 +133,11 @@ def test_ray_executor_tp2_equals_tp1_and_a_dead_actor_fails_requests(moe_dir, ru
             assert len(pids) == 2 and os.getpid() not in pids  # two actors, not this process
             assert [s["tp_collectives"] for s in stats] == ["shm", "shm"]  # one node
             assert [s["local_experts"] for s in stats] == [(0, 4), (0, 4)]  # TP of experts
+            # An RPC's error is the caller's (issue #31): the actors serve on.
+            with pytest.raises(AttributeError, match="no RPC method '_nope'"):
+                llm.llm_engine.collective_rpc("_nope")
             llm.llm_engine.check_health()  # all alive
+            assert _outputs(llm)[0] == runs[0][0]
             executor = llm.llm_engine.engine_core.executor
             ray.kill(executor.workers[1])
             start = time.monotonic()

@@ -4,14 +4,17 @@ imports nothing heavy, so the spawned interpreters start in a fraction of a seco
 from __future__ import annotations
 
 import os
-import pickle
 import time
 
 import zmq
 
+from ingot.distributed import wire
 
-def child(index: int, behaviour: dict, in_addr: str, out_addr: str, parent_pid: int,
-          log_level: int) -> None:
+#: What the stand-in answers (ChildProcesses' ``replies``).
+REPLIES = {"ok": str}
+
+
+def child(index: int, behaviour: dict, link: wire.ChildLink) -> None:
     """Answers its start-up, unless ``behaviour[index]`` says "hang", "exit" or "hello" (says
     it has connected, then hangs: a rank waiting in the rendezvous for another node's)."""
     what = behaviour.get(index, "answer")
@@ -20,9 +23,9 @@ def child(index: int, behaviour: dict, in_addr: str, out_addr: str, parent_pid: 
     if what == "hang":
         time.sleep(60)
         return
-    out = zmq.Context().socket(zmq.PUSH)
-    out.connect(out_addr)
-    out.send(pickle.dumps((index, "hello", None)))
+    out = wire.connect(zmq.Context(), zmq.PUSH, link.out_addr, link.key)
+    frames = wire.Link(link.key, {}, index)
+    out.send(frames.seal(wire.HELLO))
     if what != "hello":
-        out.send(pickle.dumps((index, "ok", f"ready {index}")))
+        out.send(frames.seal("ok", f"ready {index}"))
     time.sleep(60)  # alive until the test stops it

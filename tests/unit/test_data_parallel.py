@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from dp_child_stub import child
+from dp_child_stub import REPLIES, child
 
 from ingot.buckets import BucketCounter, BucketStats
 from ingot.core.spec_policy import SpecDecodingStats
@@ -76,7 +76,8 @@ def _stop(children: ChildProcesses) -> None:
 
 
 def test_children_start_in_rank_order():
-    children = ChildProcesses(2, child, lambda i, _: (i, {}), "data-parallel rank", "ingot-test-")
+    children = ChildProcesses(2, child, lambda i, _: (i, {}), "data-parallel rank", "ingot-test-",
+                              REPLIES)
     try:
         assert children.wait_started(60) == ["ready 0", "ready 1"]
     finally:
@@ -89,7 +90,7 @@ def test_children_start_in_rank_order():
 ])
 def test_a_missing_child_is_reported_by_rank(behaviour, match):
     children = ChildProcesses(2, child, lambda i, _: (i, behaviour), "data-parallel rank",
-                              "ingot-test-")
+                              "ingot-test-", REPLIES)
     try:
         with pytest.raises(WorkerProcessError, match=match):
             # Rank 0 answers well within the timeout (its interpreter imports only zmq);
@@ -107,7 +108,7 @@ def test_a_silent_remote_replica_is_reported_by_rank():
     port = 20000 + os.getpid() % 20000
     remote = dp_client.RemoteReplicas(
         SimpleNamespace(data_parallel_address="127.0.0.1", data_parallel_rpc_port=port),
-        range(1, 3))
+        range(1, 3), b"k" * 32)
     try:
         assert remote.dead_child() is None  # just heard from (start-up)
         remote.last_seen[2] -= HEARTBEAT_TIMEOUT_S + 1
@@ -118,6 +119,6 @@ def test_a_silent_remote_replica_is_reported_by_rank():
         with pytest.raises(ValueError, match="--data-parallel-rpc-port"):
             dp_client.RemoteReplicas(
                 SimpleNamespace(data_parallel_address="127.0.0.1", data_parallel_rpc_port=port),
-                range(1, 2))
+                range(1, 2), b"k" * 32)
     finally:
         remote.close()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from dp_child_stub import child
+from dp_child_stub import REPLIES, child
 
 from ingot.cli.main import check_headless
 from ingot.distributed.remote_children import RemoteChildren
@@ -95,9 +95,9 @@ def test_a_node_never_launched_is_reported_by_node_and_ranks():
                                tensor_parallel_size=2, tp_ranks_local=1)
     _, results, inbox = node_addresses(parallel)
     children = ChildProcesses(
-        2, child, lambda i, _: (i, {0: "hello"}), "worker rank", "ingot-test-", local=1,
-        remote=lambda: RemoteChildren(results, inbox, range(1, 2), "worker rank",
-                                      "--master-port"),
+        2, child, lambda i, _: (i, {0: "hello"}), "worker rank", "ingot-test-", REPLIES, local=1,
+        remote=lambda key: RemoteChildren(results, inbox, range(1, 2), "worker rank",
+                                          "--master-port", key),
         hint=_missing_nodes(parallel))
     try:
         with pytest.raises(WorkerProcessError, match=(

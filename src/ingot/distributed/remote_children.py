@@ -2,6 +2,10 @@
 TCP, and their launchers' heartbeats) and the other node's end (``run_remote_children``: the
 ``ingot serve --headless`` launcher). Generic over what the children run: TP worker ranks
 (worker/multiproc_executor.py) and data-parallel replicas (engine/dp_client.py).
+
+Everything between nodes travels over TCP as distributed/wire.py's frames under the secret all
+nodes share (``require_shared_secret``): CURVE-encrypted sockets that a peer without it cannot
+join, and HMAC-checked messages.
 """
 
 from __future__ import annotations
@@ -9,12 +13,14 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import pickle
 import time
 from collections.abc import Callable
 from typing import Any
 
 import zmq
+
+from ingot.distributed import wire
+from ingot.distributed.wire import ALIVE, CHILD_KINDS, FAILED, ChildLink
 
 logger = logging.getLogger("ingot")
 
@@ -26,20 +32,18 @@ HEARTBEAT_TIMEOUT_S = float(os.environ.get("INGOT_DP_HEARTBEAT_TIMEOUT_S", "10")
 class RemoteChildren:
     """The children of other nodes (each node's ``ingot serve --headless`` launcher spawns its
     own, ``run_remote_children``, and reports their health every ``HEARTBEAT_S``): their
-    sockets, bound here over TCP at ``results_addr`` and ``inbox_addr(i)``. ``flags``: what to
-    change when an address cannot be bound."""
+    sockets, bound here over TCP at ``results_addr`` and ``inbox_addr(i)``, under ``key`` (the
+    shared secret). ``flags``: what to change when an address cannot be bound."""
 
     def __init__(self, results_addr: str, inbox_addr: Callable[[int], str], indices: range,
-                 kind: str, flags: str) -> None:
+                 kind: str, flags: str, key: bytes) -> None:
         self.kind = kind
         self._ctx = zmq.Context()
-        self.results = self._ctx.socket(zmq.PULL)
         self.inboxes: dict[int, zmq.Socket] = {}
         try:
-            self.results.bind(results_addr)
+            self.results = wire.bind(self._ctx, zmq.PULL, results_addr, key)
             for i in indices:
-                self.inboxes[i] = self._ctx.socket(zmq.PUSH)
-                self.inboxes[i].bind(inbox_addr(i))
+                self.inboxes[i] = wire.bind(self._ctx, zmq.PUSH, inbox_addr(i), key)
         except zmq.ZMQError as exc:
             self.close()
             raise ValueError(
@@ -62,32 +66,35 @@ class RemoteChildren:
 
 def run_remote_children(target: Callable[..., None], indices: range,
                         args: Callable[[int], tuple[Any, ...]], results_addr: str,
-                        inbox_addr: Callable[[int], str], kind: str) -> int:
-    """A ``--headless`` node's launcher: spawn ``target(*args(i), inbox_addr(i), results_addr,
-    ...)`` for each of ``indices`` (they connect to the head node over TCP), report their health
-    there every ``HEARTBEAT_S``, and return when they have all exited (the head shut them
-    down: 0); a child that dies is reported and stops the rest (1)."""
+                        inbox_addr: Callable[[int], str], kind: str, key: bytes) -> int:
+    """A ``--headless`` node's launcher: spawn ``target(*args(i), link)`` for each of
+    ``indices`` (``link``: a ``ChildLink`` to the head node over TCP, under ``key``, the shared
+    secret), report their health there every ``HEARTBEAT_S``, and return when they have all
+    exited (the head shut them down: 0); a child that dies is reported and stops the rest
+    (1)."""
     spawn = multiprocessing.get_context("spawn")
     level = logging.getLogger("ingot").getEffectiveLevel()
     procs = {i: spawn.Process(target=target,
-                              args=(*args(i), inbox_addr(i), results_addr, os.getpid(), level),
+                              args=(*args(i), ChildLink(inbox_addr(i), results_addr, key,
+                                                        os.getpid(), level, wire.rpc_modules())),
                               name=f"ingot-{kind.replace(' ', '-')}-{i}")
              for i in indices}
     for proc in procs.values():
         proc.start()
     logger.info("headless: %ss %s for the head node at %s", kind, list(indices), results_addr)
     ctx = zmq.Context()
-    beat = ctx.socket(zmq.PUSH)
-    beat.connect(results_addr)
+    beat = wire.connect(ctx, zmq.PUSH, results_addr, key)
+    # Each child's heartbeat goes out under its index (the head counts them per child).
+    links = {i: wire.Link(key, CHILD_KINDS, i) for i in indices}
     try:
         while True:
             running = 0
             for i, proc in procs.items():
                 if proc.is_alive():
                     running += 1
-                    beat.send(pickle.dumps((i, "alive", None)))
+                    beat.send(links[i].seal(ALIVE))
                 elif proc.exitcode != 0:
-                    beat.send(pickle.dumps((i, "error", f"exited with code {proc.exitcode}")))
+                    beat.send(links[i].seal(FAILED, f"exited with code {proc.exitcode}"))
                     logger.error("%s %d exited with code %s", kind, i, proc.exitcode)
                     return 1
             if running == 0:

@@ -182,6 +182,10 @@ class EngineArgs:
     master_port: int = field(default=29501, metadata=cli(
         "torch.distributed's port at --master-addr; node 0's executor listens on the next "
         "tensor-parallel-size ports (default: %(default)s)", group=PARALLEL_GROUP))
+    rpc_secret_file: str | None = field(default=None, metadata=cli(
+        "multi-node (--nnodes > 1, or replicas on other nodes): a file holding the secret "
+        "every node shares, which authenticates the traffic between them (default: the "
+        "INGOT_RPC_SECRET env var; docs/serving.md, Security)", group=PARALLEL_GROUP))
     pipeline_parallel_size: int = field(default=1, metadata=cli(
         "(not supported: only 1)", group=PARALLEL_GROUP, aliases=("-pp",)))
     enable_expert_parallel: bool = field(default=False, metadata=cli(
@@ -465,6 +469,7 @@ class EngineArgs:
                 data_parallel_rpc_port=self.data_parallel_rpc_port,
                 nnodes=self.nnodes, node_rank=self.node_rank,
                 master_addr=self.master_addr or "127.0.0.1", master_port=self.master_port,
+                rpc_secret_file=self.rpc_secret_file,
                 enable_expert_parallel=bool(self.enable_expert_parallel),
                 # Default ep_degree: the world (TP x DP).
                 ep_degree=(additional_config.get("ep_degree") or tp * self.data_parallel_size)

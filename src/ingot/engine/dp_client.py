@@ -15,7 +15,10 @@ A new request goes to the replica with the fewest unfinished requests (ties: rou
 vLLM's front end balances by queue length. Processes and sockets are distributed/supervision.py's
 ``ChildProcesses`` (as the multiprocess executor's workers): a replica that fails or exits is
 reported by its rank, in start-up within ``INGOT_WORKER_STARTUP_TIMEOUT_S`` and while serving
-within ``_POLL_S``.
+within ``_POLL_S``. Messages are distributed/wire.py's typed, authenticated frames (schemas in
+engine/dp_replica.py); replicas on other nodes need the secret every node shares
+(``INGOT_RPC_SECRET`` or ``--rpc-secret-file``). A call that raises on a replica raises the same
+error class here; only a replica that fails or exits ends the engine.
 
 The server's check of a constraint before a response starts (``submit_structured_output``)
 compiles it on the replica the next request would go to, which then finds it cached.
@@ -25,7 +28,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import pickle
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -38,7 +40,18 @@ from ingot.core.outputs import EngineCoreOutput
 from ingot.core.request import Request, RequestStatus
 from ingot.distributed.remote_children import RemoteChildren, run_remote_children
 from ingot.distributed.supervision import STARTUP_TIMEOUT_S, ChildProcesses, WorkerProcessError
-from ingot.engine.dp_replica import replica_config, replica_main
+from ingot.distributed.wire import FAILED, require_shared_secret
+from ingot.engine.dp_replica import (
+    FROM_REPLICA,
+    Compile,
+    CoreCall,
+    Finish,
+    RpcReply,
+    replica_config,
+    replica_main,
+    request_message,
+    typed_stats,
+)
 from ingot.sampling_params import SamplingParams
 from ingot.worker.executor import RpcMethod
 
@@ -109,12 +122,15 @@ def remote_addresses(parallel: Any) -> tuple[str, Callable[[int], str]]:
     return f"tcp://{host}:{port}", lambda r: f"tcp://{host}:{port + r}"
 
 
-def RemoteReplicas(parallel: Any, ranks: range) -> RemoteChildren:  # noqa: N802 - a class's role
+def RemoteReplicas(parallel: Any, ranks: range, key: bytes) -> RemoteChildren:  # noqa: N802
     """The replicas of other nodes (``ingot serve --headless``): their sockets, bound here at
-    ``--data-parallel-address`` from ``--data-parallel-rpc-port``."""
+    ``--data-parallel-address`` from ``--data-parallel-rpc-port``, under ``key``."""
     return RemoteChildren(*remote_addresses(parallel), ranks, "data-parallel rank",
                           "--data-parallel-rpc-port or --data-parallel-address (an address of "
-                          "this node)")
+                          "this node)", key)
+
+
+_ACROSS_NODES = "data parallelism over several nodes (--data-parallel-size-local)"
 
 
 def run_headless(config: EngineConfig) -> int:
@@ -123,11 +139,19 @@ def run_headless(config: EngineConfig) -> int:
     ``--data-parallel-address``, report their health there, and return when they have all
     exited (the server shut them down); a replica that dies is reported and stops the rest."""
     parallel = config.parallel_config
+    key = require_shared_secret(parallel.rpc_secret_file, _ACROSS_NODES)
     out, inbox = remote_addresses(parallel)
     first = parallel.data_parallel_start_rank
     return run_remote_children(replica_main, range(first, first + parallel.local_replicas),
                                lambda r: (replica_config(config, r, ""), r), out, inbox,
-                               "data-parallel rank")
+                               "data-parallel rank", key)
+
+
+def _result(reply: RpcReply, rank: int) -> Any:
+    """A replica's answer to a call: its value, or its error raised here."""
+    if reply.error is not None:
+        raise reply.error.rebuild(f"data-parallel rank {rank}")
+    return reply.value
 
 
 class DPEngineCoreClient:
@@ -145,16 +169,20 @@ class DPEngineCoreClient:
                 "API server's node runs the replicas from rank 0: drop it here"
             )
         self.num_local = parallel.local_replicas
+        key = (require_shared_secret(parallel.rpc_secret_file, _ACROSS_NODES)
+               if self.num_local < self.dp_size else None)
         self._children = ChildProcesses(
             self.dp_size, replica_main, lambda r, init: (replica_config(config, r, init), r),
-            "data-parallel rank", "ingot-dp-", local=self.num_local,
-            remote=lambda: RemoteReplicas(parallel, range(self.num_local, self.dp_size)),
+            "data-parallel rank", "ingot-dp-", FROM_REPLICA, local=self.num_local,
+            remote=lambda key: RemoteReplicas(parallel, range(self.num_local, self.dp_size),
+                                              key),
             hint=lambda missing: " (the ranks of other nodes start with ingot serve --headless)"
-            if any(r >= self.num_local for r in missing) else "")
+            if any(r >= self.num_local for r in missing) else "", key=key)
         try:
             # Every replica's first stats, rank order; one that fails, exits or stays silent
             # is named by its rank (as the executor's workers are).
-            self._stats = self._children.wait_started(STARTUP_TIMEOUT_S)
+            self._stats = [typed_stats(s)
+                           for s in self._children.wait_started(STARTUP_TIMEOUT_S)]
         except BaseException:
             self._children.close()
             raise
@@ -163,7 +191,7 @@ class DPEngineCoreClient:
         self._owner: dict[str, int] = {}  # unfinished request -> replica
         self.balancer = LeastLoaded(self.dp_size)
         self._outputs: list[EngineCoreOutput] = []
-        self._replies: dict[int, dict[int, tuple[str, Any]]] = {}
+        self._replies: dict[int, dict[int, RpcReply]] = {}  # by call id, then rank
         self._compiles: dict[int, Future] = {}  # constraint checks sent to a replica, by call id
         self._call_ids = itertools.count()
         self._dead: str | None = None
@@ -171,18 +199,14 @@ class DPEngineCoreClient:
 
     # ---- requests ------------------------------------------------------------------------
     def _send(self, rank: int, kind: str, payload: Any) -> None:
-        if self._dead is not None:
-            raise WorkerProcessError(f"a data-parallel engine is down ({self._dead}); restart "
-                                     "the engine")
-        self._send_raw(rank, pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL))
-
-    def _send_raw(self, rank: int, message: bytes, flags: int = 0) -> None:
-        self._children.send(rank, message, flags)
+        self._check_alive()
+        self._children.send(rank, self._children.seal(kind, payload))
 
     def add_request(self, request: Request) -> None:
+        message = request_message(request)
         rank = self.balancer.pick()
         self._owner[request.request_id] = rank
-        self._send(rank, "add", request)
+        self._send(rank, "add", message)
 
     def submit_structured_output(self, params: SamplingParams) -> Future | None:
         """Compile the constraint on the replica the next request would go to (it caches the
@@ -190,7 +214,7 @@ class DPEngineCoreClient:
         if params.structured_outputs is None:
             return None
         call_id = next(self._call_ids)
-        self._send(self.balancer.peek(), "compile", (call_id, params))
+        self._send(self.balancer.peek(), "compile", Compile(call_id, params))
         future: Future = Future()
         self._compiles[call_id] = future
         return future
@@ -203,7 +227,7 @@ class DPEngineCoreClient:
                 self.balancer.done(rank)
                 by_rank.setdefault(rank, []).append(rid)
         for rank, rids in by_rank.items():
-            self._send(rank, "finish", (rids, status))
+            self._send(rank, "finish", Finish(rids, status))
 
     def has_pending_work(self) -> bool:
         # A constraint check waiting for its replica keeps the loop receiving.
@@ -218,27 +242,25 @@ class DPEngineCoreClient:
             if check:
                 self.check_health()
             return False
-        rank, status, value = message
-        if status == "outputs":
-            outputs, self._stats[rank] = value
+        rank, kind, value = message
+        if kind == "outputs":
+            self._stats[rank] = typed_stats(value.stats)
             self.num_steps += 1
-            for out in outputs:
+            for out in value.outputs:
                 if out.finish_status is not None and self._owner.get(out.req_id) == rank:
                     del self._owner[out.req_id]
                     self.balancer.done(rank)
-            self._outputs.extend(outputs)
-        elif status == "rpc":
-            call_id, result = value
-            future = self._compiles.pop(call_id, None)
+            self._outputs.extend(value.outputs)
+        elif kind == "rpc":
+            future = self._compiles.pop(value.call_id, None)
             if future is None:
-                self._replies.setdefault(call_id, {})[rank] = result
+                self._replies.setdefault(value.call_id, {})[rank] = value
             elif future.set_running_or_notify_cancel():
-                outcome, detail = result
-                if outcome == "ok":
-                    future.set_result(detail)
+                if value.error is None:
+                    future.set_result(value.value)
                 else:
-                    future.set_exception(detail)
-        elif status == "error":
+                    future.set_exception(value.error.rebuild(f"data-parallel rank {rank}"))
+        elif kind == FAILED:
             self._set_dead(f"data-parallel rank {rank} failed")
             raise WorkerProcessError(f"data-parallel rank {rank} failed:\n{value}")
         return True
@@ -257,25 +279,26 @@ class DPEngineCoreClient:
               kwargs: dict[str, Any] | None = None) -> list[Any]:
         """``method`` on every replica; one result per replica, rank order."""
         call_id = next(self._call_ids)
+        self._check_alive()
+        frame = self._children.seal("rpc", CoreCall(call_id, method, list(args), kwargs or {}))
         for rank in range(self.dp_size):
-            self._send(rank, "rpc", (call_id, method, tuple(args), kwargs or {}))
+            self._children.send(rank, frame)
         while len(self._replies.get(call_id, {})) < self.dp_size:
             self._receive(_REPLY_POLL_S)
         replies = self._replies.pop(call_id)
-        results = []
-        for rank in range(self.dp_size):
-            status, value = replies[rank]
-            if status == "error":
-                raise value
-            results.append(value)
-        return results
+        return [_result(replies[rank], rank) for rank in range(self.dp_size)]
 
     def collective_rpc(self, method: RpcMethod, args: Sequence[Any] = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:
         """Every worker of every replica: replica 0's workers first (global rank order). A
-        function goes by reference, as to the multiprocess executor's workers."""
+        function goes by name, as to the multiprocess executor's workers."""
         return [r for per_rank in self._call("collective_rpc", (method, args, kwargs))
                 for r in per_rank]
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise WorkerProcessError(f"a data-parallel engine is down ({self._dead}); restart "
+                                     "the engine")
 
     def check_health(self) -> None:
         if self._dead is not None:
@@ -303,13 +326,10 @@ class DPEngineCoreClient:
     def request_blocks(self, request_id: str) -> list[int]:
         rank = self._owner[request_id]
         call_id = next(self._call_ids)
-        self._send(rank, "rpc", (call_id, "request_blocks", (request_id,), {}))
+        self._send(rank, "rpc", CoreCall(call_id, "request_blocks", [request_id], {}))
         while rank not in self._replies.get(call_id, {}):
             self._receive(_REPLY_POLL_S)
-        status, value = self._replies.pop(call_id)[rank]
-        if status == "error":
-            raise value
-        return value
+        return _result(self._replies.pop(call_id)[rank], rank)
 
     def get_stats(self) -> dict[str, Any]:
         """Summed over the replicas from the stats each sent with its latest outputs (no
@@ -328,8 +348,9 @@ class DPEngineCoreClient:
         if self._dead is None:
             try:
                 call_id = next(self._call_ids)
+                frame = self._children.seal("shutdown", call_id)
                 for rank in range(self.dp_size):
-                    self._send_raw(rank, pickle.dumps(("shutdown", call_id)), zmq.NOBLOCK)
+                    self._children.send(rank, frame, zmq.NOBLOCK)
                 deadline = 30.0
                 while len(self._replies.get(call_id, {})) < self.dp_size and deadline > 0:
                     self._receive(_REPLY_POLL_S)

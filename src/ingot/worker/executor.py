@@ -2,9 +2,13 @@
 through this interface (``initialize``, ``execute_model``, ``collective_rpc``, ``shutdown``),
 so the uniprocess, multiprocess and Ray executors are interchangeable.
 
-``collective_rpc(method, args)`` calls a Worker method by name on every worker, or a
-module-level function ``fn(worker, *args)`` (the multiprocess executor pickles it by
-reference), and returns one result per worker, rank order.
+``collective_rpc(method, args)`` calls a public Worker method by name on every worker, or a
+module-level function ``fn(worker, *args)``, and returns one result per worker, rank order.
+Workers in other processes receive the call as data (distributed/wire.py): a function travels
+as its name and must be registered with ``@rpc_function``; arguments and results are plain
+data, tensors and arrays (a tuple comes back as a list). An RPC that raises on a rank raises
+the same error (a builtin or ingot error class) in the caller, and the workers serve on; only
+a failed step (``STEP_METHODS``) or a dead process ends them.
 
 ``execute_model(so, non_block=True)`` returns a future instead (async scheduling): steps run
 in the order they are submitted, and a ``collective_rpc`` waits behind the steps in flight, so
@@ -13,6 +17,7 @@ a worker only ever does one thing at a time.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from abc import ABC, abstractmethod
@@ -21,14 +26,37 @@ from concurrent.futures import Future
 from typing import Any
 
 from ingot.config import EngineConfig
+from ingot.distributed.wire import RpcName
 from ingot.runner_output import ModelRunnerOutput
 from ingot.sched_output import SchedulerOutput
 
-RpcMethod = str | Callable[..., Any]
+RpcMethod = str | Callable[..., Any] | RpcName
+
+#: The calls a step is made of: their ranks meet in collectives, so one that raises leaves the
+#: others waiting there, and the workers are broken (any other RPC's error is only returned).
+STEP_METHODS = frozenset({"execute_model", "execute_dummy_batch", "dp_has_unfinished",
+                          "determine_num_blocks", "initialize_cache"})
+#: How long the other ranks may take to answer a call that one rank failed (a registered
+#: function may hold them in a collective with it) before the workers are taken as stuck.
+RPC_ERROR_GRACE_S = float(os.environ.get("INGOT_RPC_ERROR_GRACE_S", "30"))
+
+
+def rpc_label(method: RpcMethod) -> str:
+    """How errors name a call."""
+    if isinstance(method, RpcName):
+        return method.name
+    return method if isinstance(method, str) else getattr(method, "__name__", "rpc")
 
 
 def run_on_worker(worker: Any, method: RpcMethod, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """``method`` on ``worker``: a public Worker method by name, a registered function that
+    came by name (``RpcName``), or, in the worker's own process only, any function."""
+    if isinstance(method, RpcName):
+        return method.resolve()(worker, *args, **kwargs)
     if isinstance(method, str):
+        if method.startswith("_") or not callable(getattr(type(worker), method, None)):
+            raise AttributeError(f"the worker has no RPC method {method!r} (a public Worker "
+                                 "method, or a function registered with @rpc_function)")
         return getattr(worker, method)(*args, **kwargs)
     return method(worker, *args, **kwargs)
 

@@ -11,10 +11,12 @@ started here (and stopped at shutdown); a Ray already initialised by the caller 
 is. The rendezvous is on rank 0's node (its address, a free port there), since the actors may
 be on any node.
 
-A worker that raises, or an actor that dies (its node lost, killed), fails the call that waits
-on it with ``WorkerProcessError`` naming the rank, within ``_POLL_S`` of Ray noticing, and an
-idle engine's health check finds a dead actor by its name; every later call fails at once (the
-engine must be restarted), never a hang.
+A step that raises (executor.py's ``STEP_METHODS``), or an actor that dies (its node lost,
+killed), fails the call that waits on it with ``WorkerProcessError`` naming the rank, within
+``_POLL_S`` of Ray noticing, and an idle engine's health check finds a dead actor by its name;
+every later call fails at once (the engine must be restarted), never a hang. Any other RPC that
+raises raises its own exception in the caller once every rank has answered, and the workers
+serve on, as under the multiprocess executor.
 """
 
 from __future__ import annotations
@@ -31,7 +33,14 @@ from typing import Any
 
 from ingot.config import EngineConfig
 from ingot.distributed.supervision import STARTUP_TIMEOUT_S, WorkerProcessError
-from ingot.worker.executor import FanOutExecutor, RpcMethod, run_on_worker
+from ingot.worker.executor import (
+    RPC_ERROR_GRACE_S,
+    STEP_METHODS,
+    FanOutExecutor,
+    RpcMethod,
+    rpc_label,
+    run_on_worker,
+)
 
 logger = logging.getLogger("ingot")
 
@@ -101,7 +110,8 @@ class _Reply(Future):
     def result(self, timeout: float | None = None) -> Any:
         if not self.done():
             try:
-                self.set_result(self._pick(self._executor._gather(self._refs, self._what)))
+                self.set_result(self._pick(self._executor._gather(
+                    self._refs, self._what, step=self._what in STEP_METHODS)))
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on it
                 self.set_exception(exc)
         return super().result(timeout)
@@ -147,14 +157,17 @@ class RayExecutor(FanOutExecutor):
         logger.info("Ray executor: %d worker actor(s) started (pids %s, rendezvous %s)",
                     self.world_size, pids, init)
 
-    def _gather(self, refs: list[Any], what: str, timeout: float | None = None) -> list[Any]:
-        """Every rank's result, rank order. The first failure (a worker's exception, an actor's
-        death) raises at once: the other ranks may be stuck in a collective with it."""
+    def _gather(self, refs: list[Any], what: str, timeout: float | None = None,
+                step: bool = True) -> list[Any]:
+        """Every rank's result, rank order. An actor's death, or a step's exception, raises at
+        once: the other ranks may be stuck in a collective with it. Another call's exception
+        is raised once every rank has answered (within ``RPC_ERROR_GRACE_S``)."""
         ray = self._ray
         if self._dead is not None:
             raise WorkerProcessError(f"the workers are down ({self._dead}); restart the engine")
         index = {ref: rank for rank, ref in enumerate(refs)}
         results: dict[int, Any] = {}
+        failed: tuple[int, Exception] | None = None
         pending = list(refs)
         deadline = None if timeout is None else time.monotonic() + timeout
         while pending:
@@ -164,15 +177,27 @@ class RayExecutor(FanOutExecutor):
                     results[index[ref]] = ray.get(ref)
                 except Exception as exc:  # noqa: BLE001 - RayTaskError, RayActorError, ...
                     rank = index[ref]
+                    cause = getattr(exc, "cause", None)
+                    if (not step and isinstance(exc, ray.exceptions.RayTaskError)
+                            and isinstance(cause, Exception)):
+                        if failed is None:  # the worker's own exception: the caller's
+                            failed = rank, cause
+                            grace = time.monotonic() + RPC_ERROR_GRACE_S
+                            deadline = grace if deadline is None else min(deadline, grace)
+                        continue
                     self._dead = f"worker rank {rank} failed"
                     raise WorkerProcessError(
                         f"worker rank {rank} (Ray actor) failed during {what}:\n{exc}") from None
             if pending and deadline is not None and time.monotonic() > deadline:
                 missing = sorted(index[ref] for ref in pending)
                 self._dead = f"worker rank(s) {missing} did not {what}"
-                raise WorkerProcessError(f"worker rank(s) {missing} (Ray actors) did not {what} "
-                                         f"within {timeout:.0f} s (enough free CPUs/GPUs in the "
-                                         "Ray cluster?)")
+                why = (f" after rank {failed[0]} failed it (stuck in a collective with it?)"
+                       if failed is not None else f" within {timeout:.0f} s (enough free "
+                       "CPUs/GPUs in the Ray cluster?)")
+                raise WorkerProcessError(f"worker rank(s) {missing} (Ray actors) did not {what}"
+                                         f"{why}")
+        if failed is not None:
+            raise failed[1]
         return [results[rank] for rank in range(len(refs))]
 
     def _send(self, method: RpcMethod, args: Sequence[Any], kwargs: dict[str, Any] | None,
@@ -180,8 +205,7 @@ class RayExecutor(FanOutExecutor):
         if self._dead is not None:
             raise WorkerProcessError(f"the workers are down ({self._dead}); restart the engine")
         refs = [w.call.remote(method, tuple(args), kwargs or {}) for w in self.workers]
-        name = method if isinstance(method, str) else getattr(method, "__name__", "rpc")
-        return _Reply(self, refs, name, pick)
+        return _Reply(self, refs, rpc_label(method), pick)
 
     def check_health(self) -> None:
         """Raise if an actor is gone (while a call waits, Ray resolves its refs with the
