@@ -82,16 +82,18 @@ void ingot_gemv_bf16(const uint16_t *x, const uint16_t *wb, const float *bias, u
             vf acc[GEMV_ROWS];
             for (int r = 0; r < GEMV_ROWS; r++) acc[r] = vzero();
             for (int64_t k = 0; k < Kp; k += 32) {
-                vbx xv[GEMV_SUB];
-                for (int c = 0; c < GEMV_SUB; c++)
-                    xv[c] = vprep(vloadb_part(xm + k + 2 * VL * c, K - k - 2 * VL * c));
                 const uint16_t *wk = blk + k * GEMV_ROWS;
                 if (m == 0)
                     for (int r = 0; r < GEMV_ROWS; r++)
                         vprefetch((const char *)(wk + r * 32) + GEMV_PREFETCH_BYTES);
-                for (int r = 0; r < GEMV_ROWS; r++)
-                    for (int c = 0; c < GEMV_SUB; c++)
-                        acc[r] = vdot(acc[r], vloadb(wk + r * 32 + 2 * VL * c), xv[c]);
+                /* one pair vector of x at a time (each accumulator still takes c in order):
+                   with 8 lanes, x's widened halves for both c beside the 8 accumulators had
+                   spilled accumulators */
+                for (int c = 0; c < GEMV_SUB; c++) {
+                    const vbx xv = vprep(vloadb_part(xm + k + 2 * VL * c, K - k - 2 * VL * c));
+                    for (int r = 0; r < GEMV_ROWS; r++)
+                        acc[r] = vdot(acc[r], vloadb(wk + r * 32 + 2 * VL * c), xv);
+                }
             }
             for (int r = 0; r < rows; r++) {
                 float s = vhsum(acc[r]);
