@@ -41,7 +41,7 @@ def main() -> None:
     ns = ap.parse_args()
     kernels = ck.load_cpu_kernels()
     if kernels is None:
-        raise SystemExit("ingot's CPU kernels do not build here (AVX512-BF16 and a C compiler)")
+        raise SystemExit("ingot's CPU kernels do not build here (no C compiler)")
     torch.set_num_threads(ns.threads)
     print(f"LOAD before={os.getloadavg()} threads={ns.threads}", flush=True)
     for name in ns.shapes.split(","):

@@ -1,5 +1,8 @@
-"""ingot's AVX512-BF16 kernels against torch: float32 math on the same bf16 inputs for the GEMV
-and attention, bit-equality with torch's bf16 ops for the elementwise kernels and argmax."""
+"""ingot's bf16 kernels against torch: float32 math on the same bf16 inputs for the GEMV, GEMM
+and attention, bit-equality with torch's bf16 ops for the elementwise kernels and argmax. Every
+test of a kernel runs each build of :data:`cpu_kernels.ISAS` (the ``fn`` fixture): the builds
+this CPU runs are tested, the others skip with the reason (an AVX-512 CPU tests its AVX2 and
+portable builds too)."""
 
 from __future__ import annotations
 
@@ -10,11 +13,24 @@ from torch.nn import functional as F
 from ingot.model_executor.layers import cpu_kernels
 from ingot.model_executor.layers.bindable import Kernels
 from ingot.model_executor.layers.layernorm import RMSNorm
-from ingot.model_executor.layers.linear import ReplicatedLinear
+from ingot.model_executor.layers.linear import ReplicatedLinear, cpu_packed_linear_supported
 from ingot.model_executor.layers.rotary import RotaryEmbedding
 from ingot.model_executor.layers.sampler import greedy_argmax
 
-fn = cpu_kernels.load_cpu_kernels()
+
+@pytest.fixture(params=list(cpu_kernels.ISAS))
+def fn(request) -> cpu_kernels.CpuKernels:
+    """One build of the bf16 library (each in turn); a build this CPU cannot run skips."""
+    kernels = cpu_kernels.load_cpu_kernels(request.param)
+    if kernels is None:
+        pytest.skip(f"this CPU does not run the {request.param} build of ingot's kernels")
+    return kernels
+
+
+@pytest.fixture
+def default_fn() -> cpu_kernels.CpuKernels:
+    """The build the loader picks for this CPU (what models bind)."""
+    return cpu_kernels.load_cpu_kernels()
 
 
 def _reference(x, w, b):
@@ -26,7 +42,7 @@ def _within_one_rounding(y, ref, k):
     return ((y.float() - ref).abs() <= ref.abs() * 2.0**-8 + 1e-3 * k**0.5).all()
 
 
-def _pack_and_run(kind: str):  # noqa: ANN202
+def _pack_and_run(fn, kind: str):  # noqa: ANN001, ANN202
     if kind == "gemv":
         return cpu_kernels.pack_gemv_weight, cpu_kernels.gemv_bf16
     return (lambda w: cpu_kernels.pack_gemm_weight(fn, w)), cpu_kernels.gemm_bf16
@@ -43,20 +59,20 @@ _SHAPES = [(1, 576, 960, False), (3, 1536, 576, True), (8, 100, 37, True), (1, 6
     [(kind, *shape) for kind in ("gemv", "gemm") for shape in _SHAPES]
     + [("gemv", 2, 31, 9, False)],  # an odd K: the GEMV's tail (the GEMM's K is even)
 )
-def test_packed_matmul_matches_float32_math_within_one_bf16_rounding(kind, m, k, n, bias):
+def test_packed_matmul_matches_float32_math_within_one_bf16_rounding(fn, kind, m, k, n, bias):
     """Both kernels on every row-tile (8) and output-tile (48) tail, K not a multiple of 32."""
     torch.manual_seed(0)
     x = torch.randn(m, k).to(torch.bfloat16)
     w = torch.randn(n, k).to(torch.bfloat16)
     b = torch.randn(n).to(torch.bfloat16) if bias else None
-    pack, run = _pack_and_run(kind)
+    pack, run = _pack_and_run(fn, kind)
     y = run(fn, x, pack(w), n, None if b is None else b.float())
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
     assert _within_one_rounding(y, _reference(x, w, b), k)
 
 
 @pytest.mark.needs_kernels
-def test_gemv_tolerance_catches_a_dropped_k_chunk():
+def test_gemv_tolerance_catches_a_dropped_k_chunk(fn):
     torch.manual_seed(1)
     x = torch.randn(1, 96).to(torch.bfloat16)
     w = torch.randn(16, 96).to(torch.bfloat16)
@@ -67,7 +83,7 @@ def test_gemv_tolerance_catches_a_dropped_k_chunk():
 
 @pytest.mark.needs_kernels
 @pytest.mark.parametrize(("k", "n"), [(576, 960), (70, 100), (1536, 13)])
-def test_gemv_rows_are_the_same_whatever_the_row_count(k, n):
+def test_gemv_rows_are_the_same_whatever_the_row_count(fn, k, n):
     """Speculative decoding's bit-exact greedy rests on this: a verification step computes
     1 + d rows per request with the GEMV, a plain decode step one; each row must come out the
     same bit for bit (rows are taken in pairs and singly). oneDNN's rounding differs from the
@@ -80,14 +96,18 @@ def test_gemv_rows_are_the_same_whatever_the_row_count(k, n):
     together = cpu_kernels.gemv_bf16(fn, x, packed, n, b)
     alone = torch.cat([cpu_kernels.gemv_bf16(fn, x[i : i + 1], packed, n, b) for i in range(7)])
     assert torch.equal(together, alone)
-    if k == 576:  # the default model's width: oneDNN rounds differently there
-        onednn = torch.ops.mkldnn._linear_pointwise(
-            x, torch.ops.mkldnn._reorder_linear_weight(w), None, "none", [], "")
-        assert not torch.equal(onednn, cpu_kernels.gemv_bf16(fn, x, packed, n))
+    if k == 576:  # the default model's width: oneDNN (torch's bf16 linear where the CPU has no
+        # oneDNN bf16) rounds differently there
+        if cpu_packed_linear_supported(torch.bfloat16, torch.device("cpu")):
+            other = torch.ops.mkldnn._linear_pointwise(
+                x, torch.ops.mkldnn._reorder_linear_weight(w), None, "none", [], "")
+        else:
+            other = F.linear(x, w)
+        assert not torch.equal(other, cpu_kernels.gemv_bf16(fn, x, packed, n))
 
 
 @pytest.mark.needs_kernels
-def test_gemm_tolerance_catches_a_misread_pair():
+def test_gemm_tolerance_catches_a_misread_pair(fn):
     """Broken twin: weights packed with each k pair swapped (the layout read the wrong way)."""
     torch.manual_seed(1)
     x = torch.randn(16, 96).to(torch.bfloat16)
@@ -99,7 +119,7 @@ def test_gemm_tolerance_catches_a_misread_pair():
 
 @pytest.mark.needs_kernels
 @pytest.mark.parametrize("threads", [1, 2])
-def test_gemm_rows_are_the_same_whatever_the_batch(threads):
+def test_gemm_rows_are_the_same_whatever_the_batch(fn, threads):
     """Each output is one FMA chain over k whatever rows share the call, their tiling or the
     thread that takes the item: a request's prefill or decode row is bit-identical batched
     and alone (batch invariance)."""
@@ -154,9 +174,11 @@ def test_gemm_choice_rejects_a_bad_value(monkeypatch):
 
 @pytest.mark.needs_kernels
 @pytest.mark.parametrize("gemm", ["1", "0"])
-def test_packed_linear_takes_one_layout_for_many_rows(monkeypatch, gemm):
+def test_packed_linear_takes_one_layout_for_many_rows(fn, monkeypatch, gemm):
     """More rows than the GEMV serves run on ingot's GEMM (INGOT_CPU_GEMM=1: its layout only)
     or on oneDNN (0: its packing only); both within one rounding of float32 math."""
+    if gemm == "0" and not cpu_packed_linear_supported(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("this CPU has no oneDNN bf16 linear (AVX512-BF16 or AVX-NE-CONVERT)")
     monkeypatch.setenv("INGOT_CPU_GEMM", gemm)
     torch.manual_seed(3)
     layer = ReplicatedLinear(64, 48, bias=True).to(torch.bfloat16)
@@ -173,7 +195,7 @@ def test_packed_linear_takes_one_layout_for_many_rows(monkeypatch, gemm):
 
 
 @pytest.mark.needs_kernels
-def test_packed_linear_uses_the_kernel_for_single_rows_only():
+def test_packed_linear_uses_the_kernel_for_single_rows_only(fn):
     torch.manual_seed(2)
     layer = ReplicatedLinear(64, 48, bias=True).to(torch.bfloat16)
     layer.weight.data.normal_()
@@ -196,7 +218,7 @@ def test_disabled_by_environment(monkeypatch):
 
 @pytest.mark.needs_kernels
 @pytest.mark.parametrize(("rows", "width"), [(1, 576), (64, 576), (3, 100), (2, 16)])
-def test_rms_norm_equals_torch_bit_for_bit(rows, width):
+def test_rms_norm_equals_torch_bit_for_bit(fn, rows, width):
     torch.manual_seed(3)
     norm = RMSNorm(width, 1e-5).to(torch.bfloat16)
     norm.weight.data.normal_()
@@ -212,19 +234,19 @@ def test_rms_norm_equals_torch_bit_for_bit(rows, width):
 
 
 @pytest.mark.needs_kernels
-def test_rms_norm_module_uses_the_kernel_once_attached():
+def test_rms_norm_module_uses_the_kernel_once_attached(default_fn):
     norm = RMSNorm(64, 1e-6).to(torch.bfloat16)
     norm.weight.data.normal_()
     x = torch.randn(5, 64).to(torch.bfloat16)
     expected = norm(x)
     norm.bind_kernels(Kernels(cpu=True, pack="bf16"))
-    assert norm.cpu_kernels is fn
+    assert norm.cpu_kernels is default_fn
     assert torch.equal(norm(x), expected)
 
 
 @pytest.mark.needs_kernels
 @pytest.mark.parametrize(("rows", "inter"), [(1, 1536), (64, 1536), (2, 37)])
-def test_silu_mul_equals_torch(rows, inter):
+def test_silu_mul_equals_torch(fn, rows, inter):
     torch.manual_seed(5)
     gate_up = (torch.randn(rows, 2 * inter) * 3).to(torch.bfloat16)
     gate, up = gate_up.chunk(2, dim=-1)
@@ -236,7 +258,7 @@ def test_silu_mul_equals_torch(rows, inter):
 
 
 @pytest.mark.needs_kernels
-def test_argmax_equals_torch_including_ties_nan_and_inf():
+def test_argmax_equals_torch_including_ties_nan_and_inf(fn):
     torch.manual_seed(6)
     logits = torch.randn(9, 49152).to(torch.bfloat16)
     logits[1, 100] = logits[1, 200] = 50.0  # tie: the first index wins
@@ -301,7 +323,7 @@ def _attention_case(num_reqs, width, heads, kv_heads, head_dim, block_size, seed
      (7, 6, 6, 2, 64, 16, 20), (64, 8, 9, 3, 64, 32, None), (3, 2, 2, 1, 256, 16, None)],
 )
 def test_decode_attention_writes_the_cache_and_matches_sdpa(
-    num_reqs, width, heads, kv_heads, head_dim, block_size, window, rotary
+    fn, num_reqs, width, heads, kv_heads, head_dim, block_size, window, rotary
 ):
     cache, table, seq_lens, positions, slots, q, k, v = _attention_case(
         num_reqs, width, heads, kv_heads, head_dim, block_size
@@ -345,7 +367,7 @@ def test_decode_attention_writes_the_cache_and_matches_sdpa(
 
 
 @pytest.mark.needs_kernels
-def test_write_kv_equals_the_torch_write_and_skips_padding():
+def test_write_kv_equals_the_torch_write_and_skips_padding(fn):
     from ingot.model_executor.layers.attention import write_kv_cache
 
     torch.manual_seed(7)
@@ -363,7 +385,7 @@ def test_write_kv_equals_the_torch_write_and_skips_padding():
 
 @pytest.mark.needs_kernels
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
-def test_rope_write_kv_equals_torch_rotary_and_write(heads, kv_heads, head_dim):
+def test_rope_write_kv_equals_torch_rotary_and_write(fn, heads, kv_heads, head_dim):
     from ingot.model_executor.layers.attention import write_kv_cache
 
     torch.manual_seed(3)
@@ -479,3 +501,84 @@ def test_add_layernorm_equals_torch(isa, rows, width):
                           atol=1e-5)
     assert not torch.allclose(cpu_kernels.add_layernorm_f32(kernels, x, bias, None, w, b, 1e-12),
                               ref(x + bias + residual), atol=1e-5)
+
+
+def _moe_reference(x, weights, ids, w13, w2, expert_start):
+    """The experts in float32 math: sum_j w[t, j] * down(silu(gate(x_t)) * up(x_t))."""
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    inter = w2.shape[2]
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j]) - expert_start
+            if 0 <= e < w13.shape[0]:
+                h = w13[e].float() @ x[t].float()
+                act = F.silu(h[:inter]) * h[inter:]
+                out[t] += weights[t, j] * (w2[e].float() @ act)
+    return out
+
+
+@pytest.mark.needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("tokens", "hidden", "inter"), [(1, 64, 48), (7, 256, 96), (16, 96, 40)])
+def test_fused_moe_matches_float32_math(fn, dtype, tokens, hidden, inter):
+    """The fused experts on every build: 1-16 tokens (the 4/2/1-token tiles), sizes that are
+    not whole vectors, an expert id outside the local range (an EP shard's other experts add
+    nothing). Broken twin: routing weights swapped between a token's experts fails the same
+    tolerance."""
+    torch.manual_seed(8)
+    experts, top_k, start = 4, 2, 1
+    x = torch.randn(tokens, hidden).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter) / inter**0.5).to(dtype)
+    ids = torch.randint(start, start + experts + 1, (tokens, top_k))  # start + experts: not local
+    ids[:, 1] = (ids[:, 0] - start + 1) % experts + start  # two different experts per token
+    weights = torch.rand(tokens, top_k)
+    if dtype == torch.bfloat16:
+        w13k, w2k = cpu_kernels.pack_moe_weights(fn, w13, w2)
+    else:
+        w13k, w2k = w13, w2
+    got = cpu_kernels.fused_moe(fn, x, weights, ids, w13k, w2k, start, experts, inter)
+    ref = _moe_reference(x, weights, ids, w13, w2, start)
+    tol = (2.0**-5 if dtype == torch.bfloat16 else 1e-5) * (1 + ref.abs())
+    assert ((got.float() - ref).abs() <= tol).all()
+    swapped = _moe_reference(x, weights.flip(1), ids, w13, w2, start)
+    assert not ((got.float() - swapped).abs() <= tol).all()
+
+
+# /proc/cpuinfo flags of the issue's AMD EPYC (Zen 3): AVX2 + FMA, no AVX-512.
+_ZEN3_FLAGS = ("vendor_id\t: AuthenticAMD\nflags\t\t: fpu sse sse2 ssse3 fma sse4_1 sse4_2 avx f16c "
+               "avx2 bmi1 bmi2 vaes vpclmulqdq\n")
+
+
+def test_an_avx2_cpu_chooses_the_avx2_build_and_ingots_bf16_path(monkeypatch):
+    """What an AVX2-only CPU (Zen 3) chooses: the avx2 build (portable beside it), bf16 models
+    on ingot's packed linears (GEMV/GEMM over bf16 weights widened in registers) and its
+    attention backend; float32 models on torch ops and MKL. Broken twin: with INGOT_CPU_ISA
+    capped to the portable build, that build is what loads."""
+    from ingot.model_executor.binding import select_kernels
+    from ingot.model_executor.layers.attention_backend import select_attention_backend
+
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: _ZEN3_FLAGS)
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    assert cpu_kernels.cpu_isas() == ("avx2", "portable")
+    assert cpu_kernels.f32_isas() == ("avx2", "portable")
+    assert cpu_kernels.load_cpu_kernels().isa == "avx2"
+    assert cpu_kernels.load_f32_kernels().isa == "avx2"
+    assert cpu_kernels.gemm_preferred()  # no AMX
+    cpu = torch.device("cpu")
+    model = torch.nn.Linear(4, 4)
+    assert select_kernels(model, torch.bfloat16, cpu).pack == "bf16"
+    assert select_kernels(model, torch.float32, cpu).pack is None
+    backend = select_attention_backend(cpu, torch.bfloat16, torch.bfloat16, False, (9, 3, 64))
+    assert backend.name == "cpu-kernels" and backend.kernels.isa == "avx2"
+    assert select_attention_backend(cpu, torch.float32, torch.float32, False, (9, 3, 64)).name \
+        == "torch"
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    monkeypatch.setenv("INGOT_CPU_ISA", "portable")
+    assert cpu_kernels.load_cpu_kernels().isa == "portable"
+
+
+def test_isa_cap_rejects_an_unknown_build(monkeypatch):
+    monkeypatch.setenv("INGOT_CPU_ISA", "avx3")
+    with pytest.raises(ValueError, match="INGOT_CPU_ISA must be one of"):
+        cpu_kernels.load_cpu_kernels()

@@ -26,14 +26,16 @@ from ingot.model_executor.layers.attention_backend import (
     DecodeProgram,
 )
 from ingot.model_executor.layers.bindable import KernelBindable, Kernels
-from ingot.model_executor.layers.cpu_kernels import onednn_f32_preferred
+from ingot.model_executor.layers.cpu_kernels import load_cpu_kernels, onednn_f32_preferred
 from ingot.model_executor.layers.linear import cpu_packed_linear_supported
 
 
 def select_kernels(model: nn.Module, dtype: torch.dtype, device: torch.device,
                    keep_plain: bool = False) -> Kernels:
-    """ingot's CPU kernels for ``model`` (loaded in ``dtype`` on ``device``). Linears pack for
-    oneDNN's bf16 linear where this CPU has it (and ingot's layouts beside it); an encoder's
+    """ingot's CPU kernels for ``model`` (loaded in ``dtype`` on ``device``). bf16 linears pack
+    for ingot's GEMV/GEMM wherever a build of its bf16 library runs (AVX2 + FMA and up: bf16
+    weights widened to float32 in registers where the CPU has no bf16 arithmetic), and for
+    oneDNN's bf16 linear beside them where this CPU has it; an encoder's
     float32 linears (models that declare ``packs_f32_linears``) pack for oneDNN's float32
     linear where it beats MKL (``onednn_f32_preferred``), never beside plain weights kept for
     compilation. ``INGOT_DISABLE_PACKED_LINEAR`` keeps every linear plain. ``keep_plain``: the
@@ -42,7 +44,8 @@ def select_kernels(model: nn.Module, dtype: torch.dtype, device: torch.device,
         return Kernels()
     packing = not os.environ.get("INGOT_DISABLE_PACKED_LINEAR")
     pack = None
-    if packing and cpu_packed_linear_supported(dtype, device):
+    if packing and dtype == torch.bfloat16 and (cpu_packed_linear_supported(dtype, device)
+                                                or load_cpu_kernels() is not None):
         pack = "bf16"
     elif (packing and dtype == torch.float32 and not keep_plain
           and getattr(model, "packs_f32_linears", False) and onednn_f32_preferred()):

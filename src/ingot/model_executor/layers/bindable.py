@@ -30,9 +30,9 @@ class Kernels:
 
     #: Whether the model runs on the CPU (ingot's libraries exist nowhere else).
     cpu: bool = False
-    #: How linears re-lay their weights: "bf16" (oneDNN's packed bf16 linear, and ingot's
-    #: GEMV/GEMM layouts where its bf16 library loads), "f32" (oneDNN's packed float32 linear:
-    #: encoders), None (plain weights).
+    #: How linears re-lay their weights: "bf16" (ingot's GEMV/GEMM layouts where its bf16
+    #: library loads, oneDNN's packed bf16 linear where the CPU has it and ingot's GEMM does not
+    #: serve), "f32" (oneDNN's packed float32 linear: encoders), None (plain weights).
     pack: Literal["bf16", "f32"] | None = None
     #: Keep the plain weights beside the packed copies (compiled layers run on them).
     keep_plain: bool = False
@@ -41,15 +41,15 @@ class Kernels:
     # never builds them (each loader caches its library per process).
     @cached_property
     def bf16(self) -> CpuKernels | None:
-        """The bf16 library (AVX512-BF16): MoE experts take it for bf16 and float32 weights."""
+        """The bf16 library (the widest build this CPU runs): MoE experts take it for bf16 and
+        float32 weights."""
         return load_cpu_kernels() if self.cpu else None
 
     @property
     def dense_bf16(self) -> CpuKernels | None:
         """The bf16 library for a decoder's dense path (linears' GEMV/GEMM, RMSNorm,
         SiLU-and-multiply): only beside bf16-packed linears, since the GEMV reads the layout
-        packing makes (INGOT_DISABLE_PACKED_LINEAR, or a CPU without oneDNN's bf16, leave the
-        whole path to torch)."""
+        packing makes (INGOT_DISABLE_PACKED_LINEAR leaves the whole path to torch)."""
         return self.bf16 if self.pack == "bf16" else None
 
     @cached_property

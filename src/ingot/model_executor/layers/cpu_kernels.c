@@ -1,60 +1,28 @@
-/* ingot's CPU kernels for bf16 decode on CPUs with AVX512-BF16 (built by cpu_kernels.py).
+/* ingot's CPU kernels for bf16 decode (built by cpu_kernels.py), written once over the vector
+ * layer of cpu_kernels_vec.h and built per ISA: AVX-512 with AVX512-BF16 (q.k, p.v, the GEMV
+ * and the MoE on vdpbf16ps), AVX-512F and AVX2 + FMA (bf16 widened to float32 in registers by
+ * a 16-bit shift, float32 FMAs), and a portable build (plain C the compiler vectorises).
  *
  * Elementwise results are rounded to bf16 at the same points as the torch ops they replace
  * (products, sums, the normalised value before the RMSNorm weight), so outputs match torch's
  * eager bf16 path except where float32 reduction order or exp's last bit differ. */
-#include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu_kernels_vec.h" /* exp_ps */
+#include "cpu_kernels_vec.h"
 
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
-
-static inline float from_bf16(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline float round_bf16(float f) { return from_bf16(to_bf16(f)); }
-
-static inline __m512 load_bf16x16(const uint16_t *p) {
-    __m256i v = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-
-static inline __m512 maskload_bf16x16(const uint16_t *p, __mmask16 m) {
-    __m256i v = _mm256_maskz_loadu_epi16(m, p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-
-/* Round 16 floats to bf16 (nearest even, as to_bf16) and back to float. */
-static inline __m512 round_bf16x16(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    u = _mm512_and_si512(u, _mm512_set1_epi32((int)0xffff0000u));
-    /* NaN inputs keep a quiet NaN */
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    return _mm512_mask_blend_ps(nan, _mm512_castsi512_ps(u), v);
-}
-
-/* 16 floats already on the bf16 grid -> 16 bf16 stored at p (first `n` of them). */
-static inline void store_bf16x16(uint16_t *p, __m512 v, int n) {
-    __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16));
-    if (n >= 16) _mm256_storeu_si256((__m256i *)p, h);
-    else _mm256_mask_storeu_epi16(p, (__mmask16)((1u << n) - 1u), h);
+/* The vector width this build was compiled for, and whether its bf16 dot products are native
+   (cpu_kernels.py checks both against the build it asked for). */
+int ingot_cpu_lanes(void) { return VL; }
+int ingot_cpu_native_bf16_dot(void) {
+#ifdef VNATIVE_BF16_DOT
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -62,15 +30,15 @@ static inline void store_bf16x16(uint16_t *p, __m512 v, int n) {
    b*R .. b*R+R-1 as K/32 steps of [R][32] bf16, so each thread streams one contiguous range
    and the hardware prefetcher (helped by an explicit prefetch 4 KiB ahead) keeps the memory
    bus busy: 20 GB/s on the project machine against 13.5 GB/s for the row-major walk.
-   Padding rows/columns are zero. x [M, K], y [M, N] bf16; bias float32 or NULL. */
+   Padding rows/columns are zero. x [M, K], y [M, N] bf16; bias float32 or NULL. A 32-wide
+   step is GEMV_SUB pair vectors (1 on AVX-512, 2 with 8 lanes). */
 #define GEMV_ROWS 8
 #define GEMV_PREFETCH_BYTES 4096
+#define GEMV_SUB (32 / (2 * VL))
 
 void ingot_gemv_bf16(const uint16_t *x, const uint16_t *wb, const float *bias, uint16_t *y,
                      int64_t M, int64_t N, int64_t K, int nthreads) {
     const int64_t Kp = (K + 31) / 32 * 32, nblocks = (N + GEMV_ROWS - 1) / GEMV_ROWS;
-    const int64_t tail = K % 32;
-    const __mmask32 tmask = tail ? (__mmask32)((1u << tail) - 1u) : 0xffffffffu;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t nb = 0; nb < nblocks; nb++) {
         const uint16_t *blk = wb + nb * GEMV_ROWS * Kp;
@@ -83,24 +51,27 @@ void ingot_gemv_bf16(const uint16_t *x, const uint16_t *wb, const float *bias, u
            result is the same as in a one-row call. */
         for (; m + 1 < M; m += 2) {
             const uint16_t *x0 = x + m * K, *x1 = x0 + K;
-            __m512 a0[GEMV_ROWS], a1[GEMV_ROWS];
-            for (int r = 0; r < GEMV_ROWS; r++) a0[r] = a1[r] = _mm512_setzero_ps();
+            vf a0[GEMV_ROWS], a1[GEMV_ROWS];
+            for (int r = 0; r < GEMV_ROWS; r++) a0[r] = a1[r] = vzero();
             for (int64_t k = 0; k < Kp; k += 32) {
-                const __mmask32 mk = k + 32 <= K ? 0xffffffffu : tmask;
-                __m512bh v0 = (__m512bh)_mm512_maskz_loadu_epi16(mk, x0 + k);
-                __m512bh v1 = (__m512bh)_mm512_maskz_loadu_epi16(mk, x1 + k);
+                vbx v0[GEMV_SUB], v1[GEMV_SUB];
+                for (int c = 0; c < GEMV_SUB; c++) {
+                    v0[c] = vprep(vloadb_part(x0 + k + 2 * VL * c, K - k - 2 * VL * c));
+                    v1[c] = vprep(vloadb_part(x1 + k + 2 * VL * c, K - k - 2 * VL * c));
+                }
                 const uint16_t *wk = blk + k * GEMV_ROWS;
                 if (m == 0)
                     for (int r = 0; r < GEMV_ROWS; r++)
-                        _mm_prefetch((const char *)(wk + r * 32) + GEMV_PREFETCH_BYTES, _MM_HINT_T0);
-                for (int r = 0; r < GEMV_ROWS; r++) {
-                    const __m512bh w = (__m512bh)_mm512_loadu_si512((const void *)(wk + r * 32));
-                    a0[r] = _mm512_dpbf16_ps(a0[r], w, v0);
-                    a1[r] = _mm512_dpbf16_ps(a1[r], w, v1);
-                }
+                        vprefetch((const char *)(wk + r * 32) + GEMV_PREFETCH_BYTES);
+                for (int r = 0; r < GEMV_ROWS; r++)
+                    for (int c = 0; c < GEMV_SUB; c++) {
+                        const vb w = vloadb(wk + r * 32 + 2 * VL * c);
+                        a0[r] = vdot(a0[r], w, v0[c]);
+                        a1[r] = vdot(a1[r], w, v1[c]);
+                    }
             }
             for (int r = 0; r < rows; r++) {
-                float s0 = _mm512_reduce_add_ps(a0[r]), s1 = _mm512_reduce_add_ps(a1[r]);
+                float s0 = vhsum(a0[r]), s1 = vhsum(a1[r]);
                 if (bias) s0 += bias[nb * GEMV_ROWS + r], s1 += bias[nb * GEMV_ROWS + r];
                 y[m * N + nb * GEMV_ROWS + r] = to_bf16(s0);
                 y[(m + 1) * N + nb * GEMV_ROWS + r] = to_bf16(s1);
@@ -108,21 +79,24 @@ void ingot_gemv_bf16(const uint16_t *x, const uint16_t *wb, const float *bias, u
         }
         for (; m < M; m++) {
             const uint16_t *xm = x + m * K;
-            __m512 acc[GEMV_ROWS];
-            for (int r = 0; r < GEMV_ROWS; r++) acc[r] = _mm512_setzero_ps();
+            vf acc[GEMV_ROWS];
+            for (int r = 0; r < GEMV_ROWS; r++) acc[r] = vzero();
             for (int64_t k = 0; k < Kp; k += 32) {
-                const __mmask32 mk = k + 32 <= K ? 0xffffffffu : tmask;
-                __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mk, xm + k);
                 const uint16_t *wk = blk + k * GEMV_ROWS;
                 if (m == 0)
                     for (int r = 0; r < GEMV_ROWS; r++)
-                        _mm_prefetch((const char *)(wk + r * 32) + GEMV_PREFETCH_BYTES, _MM_HINT_T0);
-                for (int r = 0; r < GEMV_ROWS; r++)
-                    acc[r] = _mm512_dpbf16_ps(
-                        acc[r], (__m512bh)_mm512_loadu_si512((const void *)(wk + r * 32)), xv);
+                        vprefetch((const char *)(wk + r * 32) + GEMV_PREFETCH_BYTES);
+                /* one pair vector of x at a time (each accumulator still takes c in order):
+                   with 8 lanes, x's widened halves for both c beside the 8 accumulators had
+                   spilled accumulators */
+                for (int c = 0; c < GEMV_SUB; c++) {
+                    const vbx xv = vprep(vloadb_part(xm + k + 2 * VL * c, K - k - 2 * VL * c));
+                    for (int r = 0; r < GEMV_ROWS; r++)
+                        acc[r] = vdot(acc[r], vloadb(wk + r * 32 + 2 * VL * c), xv);
+                }
             }
             for (int r = 0; r < rows; r++) {
-                float s = _mm512_reduce_add_ps(acc[r]);
+                float s = vhsum(acc[r]);
                 if (bias) s += bias[nb * GEMV_ROWS + r];
                 y[m * N + nb * GEMV_ROWS + r] = to_bf16(s);
             }
@@ -141,117 +115,91 @@ void ingot_rmsnorm_bf16(const uint16_t *x, const uint16_t *residual, const uint1
         const uint16_t *xr = x + m * N;
         const uint16_t *rr = residual ? residual + m * N : 0;
         uint16_t *hr = residual ? res_out + m * N : 0;
-        __m512 ss = _mm512_setzero_ps();
-        for (int64_t n = 0; n < N; n += 16) {
-            const int cnt = N - n < 16 ? (int)(N - n) : 16;
-            const __mmask16 mk = (__mmask16)(cnt == 16 ? 0xffffu : (1u << cnt) - 1u);
-            __m512 h = maskload_bf16x16(xr + n, mk);
+        vf ss = vzero();
+        for (int64_t n = 0; n < N; n += VL) {
+            vf h = vload_bf16_part(xr + n, N - n);
             if (rr) {
-                h = round_bf16x16(_mm512_add_ps(h, maskload_bf16x16(rr + n, mk)));
-                store_bf16x16(hr + n, h, cnt);
+                h = vround_bf16(vadd(h, vload_bf16_part(rr + n, N - n)));
+                vstore_bf16_part(hr + n, h, N - n);
             }
-            ss = _mm512_fmadd_ps(h, h, ss);
+            ss = vfma(h, h, ss);
         }
-        const float r = 1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)N + eps);
+        const float r = 1.0f / sqrtf(vhsum(ss) / (float)N + eps);
         const uint16_t *src = rr ? hr : xr;
-        for (int64_t n = 0; n < N; n += 16) {
-            const int cnt = N - n < 16 ? (int)(N - n) : 16;
-            const __mmask16 mk = (__mmask16)(cnt == 16 ? 0xffffu : (1u << cnt) - 1u);
-            __m512 h = round_bf16x16(_mm512_mul_ps(maskload_bf16x16(src + n, mk), _mm512_set1_ps(r)));
-            __m512 o = round_bf16x16(_mm512_mul_ps(maskload_bf16x16(w + n, mk), h));
-            store_bf16x16(out + m * N + n, o, cnt);
+        for (int64_t n = 0; n < N; n += VL) {
+            const vf h = vround_bf16(vmul(vload_bf16_part(src + n, N - n), vset1(r)));
+            const vf o = vround_bf16(vmul(vload_bf16_part(w + n, N - n), h));
+            vstore_bf16_part(out + m * N + n, o, N - n);
         }
     }
 }
 
 /* out[m, i] = bf16(bf16(silu(gate)) * up) with gate = gu[m, i], up = gu[m, I + i]. Threads
-   take contiguous ranges of the (row, 16-column chunk) units, so one row at batch 1 still
+   take contiguous ranges of the (row, VL-column chunk) units, so one row at batch 1 still
    uses every core, and walk them incrementally (a 64-bit division per vector had cost ~15% at
    128 rows). */
 void ingot_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t M, int64_t I, int nthreads) {
-    const int64_t chunks = (I + 15) / 16, units = M * chunks;
+    const int64_t chunks = (I + VL - 1) / VL, units = M * chunks;
 #pragma omp parallel num_threads(nthreads) if (M * I >= 16384)
     {
         const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
         const int64_t u0 = units * tid / nt, u1 = units * (tid + 1) / nt;
-        int64_t m = u0 / chunks, i = (u0 % chunks) * 16;
+        int64_t m = u0 / chunks, i = (u0 % chunks) * VL;
         for (int64_t u = u0; u < u1; u++) {
-            const int cnt = I - i < 16 ? (int)(I - i) : 16;
-            const __mmask16 mk = (__mmask16)(cnt == 16 ? 0xffffu : (1u << cnt) - 1u);
-            const __m512 g = maskload_bf16x16(gu + m * 2 * I + i, mk);
-            const __m512 up = maskload_bf16x16(gu + m * 2 * I + I + i, mk);
-            const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
-            const __m512 sg = round_bf16x16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
-            store_bf16x16(out + m * I + i, round_bf16x16(_mm512_mul_ps(sg, up)), cnt);
-            i += 16;
+            const vf g = vload_bf16_part(gu + m * 2 * I + i, I - i);
+            const vf up = vload_bf16_part(gu + m * 2 * I + I + i, I - i);
+            const vf e = exp_ps(vsub(vzero(), g));
+            const vf sg = vround_bf16(vdiv(g, vadd(vset1(1.0f), e)));
+            vstore_bf16_part(out + m * I + i, vround_bf16(vmul(sg, up)), I - i);
+            i += VL;
             if (i >= I) { i = 0; m++; }
         }
     }
 }
 
 /* ---------------------------------------------------------------------------------------- */
-/* Lane i of the result = horizontal sum of v[i]: a shuffle tree (45 shuffles/adds for 16
-   sums instead of 16 separate reductions). The tree leaves sum(v[4e + l]) at lane 4l + e. */
-static inline __attribute__((always_inline)) __m512 hsum16(const __m512 *v) {
-    __m512 s8[8], s4[4], s2[2];
-    for (int i = 0; i < 8; i++)
-        s8[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                              _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-    for (int i = 0; i < 4; i++)
-        s4[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s8[2 * i], s8[2 * i + 1], 0x88),
-                              _mm512_shuffle_f32x4(s8[2 * i], s8[2 * i + 1], 0xDD));
-    for (int i = 0; i < 2; i++)
-        s2[i] = _mm512_add_ps(_mm512_unpacklo_ps(s4[2 * i], s4[2 * i + 1]),
-                              _mm512_unpackhi_ps(s4[2 * i], s4[2 * i + 1]));
-    __m512 s1 = _mm512_add_ps(
-        _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s2[0]), _mm512_castps_pd(s2[1]))),
-        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s2[0]), _mm512_castps_pd(s2[1]))));
-    const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
-    return _mm512_permutexvar_ps(order, s1);
-}
-
 /* NeoX rotary on one head, bf16 in and out, rounding as torch's x*cos + cat(-x2, x1)*sin:
    each product and the sum rounded to bf16. cs = [cos(D), sin(D)] bf16 of this position;
    D % 32 == 0. */
-static inline void rope_head(const uint16_t *x, const uint16_t *cs, uint16_t *o, int64_t D) {
+INL void rope_head(const uint16_t *x, const uint16_t *cs, uint16_t *o, int64_t D) {
     const int64_t half = D / 2;
-    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
-    for (int64_t d = 0; d < half; d += 16) {
-        const __m512 x1 = load_bf16x16(x + d), x2 = load_bf16x16(x + half + d);
-        const __m512 c1 = load_bf16x16(cs + d), c2 = load_bf16x16(cs + half + d);
-        const __m512 s1 = load_bf16x16(cs + D + d), s2 = load_bf16x16(cs + D + half + d);
-        const __m512 a1 = round_bf16x16(_mm512_mul_ps(x1, c1));
-        const __m512 b1 = round_bf16x16(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x2), sign)), s1));
-        const __m512 a2 = round_bf16x16(_mm512_mul_ps(x2, c2));
-        const __m512 b2 = round_bf16x16(_mm512_mul_ps(x1, s2));
-        store_bf16x16(o + d, round_bf16x16(_mm512_add_ps(a1, b1)), 16);
-        store_bf16x16(o + half + d, round_bf16x16(_mm512_add_ps(a2, b2)), 16);
+    for (int64_t d = 0; d < half; d += VL) {
+        const vf x1 = vload_bf16(x + d), x2 = vload_bf16(x + half + d);
+        const vf c1 = vload_bf16(cs + d), c2 = vload_bf16(cs + half + d);
+        const vf s1 = vload_bf16(cs + D + d), s2 = vload_bf16(cs + D + half + d);
+        const vf a1 = vround_bf16(vmul(x1, c1));
+        const vf b1 = vround_bf16(vmul(vneg(x2), s1));
+        const vf a2 = vround_bf16(vmul(x2, c2));
+        const vf b2 = vround_bf16(vmul(x1, s2));
+        vstore_bf16_part(o + d, vround_bf16(vadd(a1, b1)), VL);
+        vstore_bf16_part(o + half + d, vround_bf16(vadd(a2, b2)), VL);
     }
 }
 
 #define ATTN_MAX_D 256
 #define ATTN_MAX_QH 64 /* query heads one task may hold */
 
-/* sc[(h * G + g) * npad + t - t0] = scale * q_(h, g) . k_(t, j0 + h) for keys t0 <= t < L and
-   kv heads j0 .. j0 + nh - 1, 16 keys at a time (vdpbf16ps, ST = D/32 steps per key, then one
-   shuffle-tree sum for the 16). Keys are walked block by block (no division per key), all nh
-   heads of a 16-key group at once so a block's rows are read in order; rows QK_PREFETCH_KEYS
-   ahead are prefetched, and their value rows (vdelta elements further) into L2 for p.v.
-   q = [nh * G][ATTN_MAX_D] bf16, 64-byte aligned rows. */
 /* Prefetch one key's rows (kv heads j0.., `lines` cache lines) into L1 and its value rows
    (vdelta elements further) into L2, then advance the (block, offset) walker. */
-static inline void prefetch_key(const uint16_t *kc, const int64_t *table, int64_t block_size,
-                                int64_t Hkv, int64_t j0, int64_t D, int64_t lines,
-                                int64_t vdelta, int64_t *bi, int64_t *off) {
+INL void prefetch_key(const uint16_t *kc, const int64_t *table, int64_t block_size, int64_t Hkv,
+                      int64_t j0, int64_t D, int64_t lines, int64_t vdelta, int64_t *bi,
+                      int64_t *off) {
     const char *r = (const char *)(kc + ((table[*bi] * block_size + *off) * Hkv + j0) * D);
     for (int64_t c = 0; c < lines; c++) {
-        _mm_prefetch(r + 64 * c, _MM_HINT_T0);
-        _mm_prefetch(r + 2 * vdelta + 64 * c, _MM_HINT_T1);
+        vprefetch(r + 64 * c);
+        vprefetch_l2(r + 2 * vdelta + 64 * c);
     }
     if (++*off == block_size) { ++*bi; *off = 0; }
 }
 
+/* sc[(h * G + g) * npad + t - t0] = scale * q_(h, g) . k_(t, j0 + h) for keys t0 <= t < L and
+   kv heads j0 .. j0 + nh - 1, VL keys at a time (vdot over QK_PAIRS(ST) pair vectors per key,
+   ST = D/32, then one horizontal-sum tree for the VL). Keys are walked block by block (no
+   division per key), all nh heads of a VL-key group at once so a block's rows are read in
+   order; rows QK_PREFETCH_KEYS ahead are prefetched, and their value rows (vdelta elements
+   further) into L2 for p.v. q = [nh * G][ATTN_MAX_D] bf16, 64-byte aligned rows. */
 #define QK_PREFETCH_KEYS 32
+#define QK_PAIRS(ST) ((ST) * 32 / (2 * VL))
 #define QK_KERNEL(ST)                                                                            \
     static void qk_##ST(const uint16_t *kc, const int64_t *table, int64_t block_size,           \
                         int64_t Hkv, int64_t j0, int64_t nh, int64_t D, int64_t t0, int64_t L,  \
@@ -262,34 +210,28 @@ static inline void prefetch_key(const uint16_t *kc, const int64_t *table, int64_
         int64_t pbi = bi, poff = off, pt = t0;                /* walks ahead, prefetching */     \
         for (; pt < L && pt < t0 + QK_PREFETCH_KEYS; pt++)                                       \
             prefetch_key(kc, table, block_size, Hkv, j0, D, lines, vdelta, &pbi, &poff);         \
-        for (int64_t t = t0; t < L; t += 16) {                                                   \
-            const int cnt = L - t < 16 ? (int)(L - t) : 16;                                      \
-            const uint16_t *kp[16];                                                              \
+        for (int64_t t = t0; t < L; t += VL) {                                                   \
+            const int cnt = L - t < VL ? (int)(L - t) : VL;                                      \
+            const uint16_t *kp[VL];                                                              \
             for (int i = 0; i < cnt; i++) {                                                      \
                 kp[i] = kc + ((table[bi] * block_size + off) * Hkv + j0) * D;                    \
                 if (++off == block_size) { bi++; off = 0; }                                      \
             }                                                                                    \
-            for (int i = cnt; i < 16; i++) kp[i] = kp[0];                                        \
-            for (int i = 0; i < 16 && pt < L; i++, pt++)                                         \
+            for (int i = cnt; i < VL; i++) kp[i] = kp[0];                                        \
+            for (int i = 0; i < VL && pt < L; i++, pt++)                                         \
                 prefetch_key(kc, table, block_size, Hkv, j0, D, lines, vdelta, &pbi, &poff);     \
             for (int64_t h = 0; h < nh; h++)                                                     \
                 for (int64_t g = 0; g < G; g++) {                                                \
-                    __m512bh qv[ST];                                                             \
-                    for (int c = 0; c < ST; c++)                                                 \
-                        qv[c] = (__m512bh)_mm512_load_si512(                                     \
-                            (const void *)(q + (h * G + g) * ATTN_MAX_D + 32 * c));              \
-                    __m512 acc[16];                                                              \
-                    for (int i = 0; i < 16; i++) {                                               \
-                        acc[i] = _mm512_setzero_ps();                                            \
-                        for (int c = 0; c < ST; c++)                                             \
-                            acc[i] = _mm512_dpbf16_ps(                                           \
-                                acc[i],                                                          \
-                                (__m512bh)_mm512_loadu_si512(                                    \
-                                    (const void *)(kp[i] + h * D + 32 * c)),                     \
-                                qv[c]);                                                          \
+                    vbx qv[QK_PAIRS(ST)];                                                        \
+                    for (int c = 0; c < QK_PAIRS(ST); c++)                                       \
+                        qv[c] = vprep(vloadb(q + (h * G + g) * ATTN_MAX_D + 2 * VL * c));        \
+                    vf acc[VL];                                                                  \
+                    for (int i = 0; i < VL; i++) {                                               \
+                        acc[i] = vzero();                                                        \
+                        for (int c = 0; c < QK_PAIRS(ST); c++)                                   \
+                            acc[i] = vdot(acc[i], vloadb(kp[i] + h * D + 2 * VL * c), qv[c]);    \
                     }                                                                            \
-                    _mm512_storeu_ps(sc + (h * G + g) * npad + (t - t0),                         \
-                                     _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));         \
+                    vstore(sc + (h * G + g) * npad + (t - t0), vmul(vhsum_vl(acc), vset1(scale))); \
                 }                                                                                \
         }                                                                                        \
     }
@@ -304,80 +246,75 @@ QK_KERNEL(8)
 
 /* out[g] = bf16(inv_sum[g] * sum_t p[g][t] v[t]) for the G query heads of one kv head. As in
    torch's CPU flash attention, the unnormalised probabilities are rounded to bf16 for this
-   product (pb = [G][npad] bf16, zero past the last key) and accumulated in float32: vdpbf16ps
-   takes two keys per instruction, their rows interleaved by unpacklo/hi (which leaves lane
-   4l+e of the "lo" accumulator at d = 8l+e and of "hi" at d = 8l+4+e, undone on store).
-   CD = D/16 accumulators per head, PV_HEADS(CD) heads per pass (24 accumulators). */
-#define PV_HEADS(CD) (24 / (CD))
-#define PV_KERNEL(CD)                                                                            \
-    static void pv_##CD(const uint16_t *vc, const int64_t *table, int64_t block_size,           \
+   product (pb = [G][npad] bf16, zero past the last key) and accumulated in float32: vdot takes
+   two keys per step, their rows interleaved into pairs by vpair (vunpair puts the results back
+   in row order on store). PV_CD(ST) = D / VL accumulators per head, PV_HEADS(ST) heads per
+   pass (PV_ACCS accumulators at most, at least one head). */
+#if VL == 16
+#define PV_ACCS 24
+#else
+#define PV_ACCS 12
+#endif
+#define PV_CD(ST) ((ST) * 32 / VL)
+#define PV_HEADS(ST) (PV_ACCS / PV_CD(ST) > 0 ? PV_ACCS / PV_CD(ST) : 1)
+#define PV_KERNEL(ST)                                                                            \
+    static void pv_##ST(const uint16_t *vc, const int64_t *table, int64_t block_size,           \
                         int64_t row, int64_t j, int64_t D, int64_t t0, int64_t L,               \
                         const uint16_t *pb, int64_t npad, int64_t G, const float *inv_sum,      \
                         uint16_t *out) {                                                         \
-        const __m512i lo_idx = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16,     \
-                                                3, 2, 1, 0);                                     \
-        const __m512i hi_idx = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, \
-                                                11, 10, 9, 8);                                   \
-        for (int64_t g0 = 0; g0 < G; g0 += PV_HEADS(CD)) {                                       \
-            const int64_t gn = G - g0 < PV_HEADS(CD) ? G - g0 : PV_HEADS(CD);                    \
-            __m512 acc[PV_HEADS(CD)][CD];                                                        \
-            for (int g = 0; g < PV_HEADS(CD); g++)                                               \
-                for (int c = 0; c < CD; c++) acc[g][c] = _mm512_setzero_ps();                    \
+        for (int64_t g0 = 0; g0 < G; g0 += PV_HEADS(ST)) {                                       \
+            const int64_t gn = G - g0 < PV_HEADS(ST) ? G - g0 : PV_HEADS(ST);                    \
+            vf acc[PV_HEADS(ST)][PV_CD(ST)];                                                     \
+            for (int g = 0; g < PV_HEADS(ST); g++)                                               \
+                for (int c = 0; c < PV_CD(ST); c++) acc[g][c] = vzero();                         \
             int64_t blk = t0 / block_size, off = t0 % block_size;                                \
             for (int64_t t = t0; t < L; t += 2) {                                                \
                 const uint16_t *va = vc + ((table[blk] * block_size + off) * (row / D) + j) * D; \
                 if (++off == block_size) { blk++; off = 0; }                                     \
-                const uint16_t *vb = va;                                                         \
+                const uint16_t *vb_ = va;                                                        \
                 if (t + 1 < L) {                                                                 \
-                    vb = vc + ((table[blk] * block_size + off) * (row / D) + j) * D;             \
+                    vb_ = vc + ((table[blk] * block_size + off) * (row / D) + j) * D;            \
                     if (++off == block_size) { blk++; off = 0; }                                 \
                 }                                                                                \
-                __m512i pair[CD];                                                                \
-                for (int c = 0; c < CD / 2; c++) {                                               \
-                    const __m512i a = _mm512_loadu_si512((const void *)(va + 32 * c));           \
-                    const __m512i b = _mm512_loadu_si512((const void *)(vb + 32 * c));           \
-                    pair[2 * c] = _mm512_unpacklo_epi16(a, b);                                   \
-                    pair[2 * c + 1] = _mm512_unpackhi_epi16(a, b);                               \
-                }                                                                                \
+                vb pair[PV_CD(ST)];                                                              \
+                for (int c = 0; c < PV_CD(ST) / 2; c++)                                          \
+                    vpair(vloadb(va + 2 * VL * c), vloadb(vb_ + 2 * VL * c), &pair[2 * c],       \
+                          &pair[2 * c + 1]);                                                     \
                 const uint16_t *pt = pb + g0 * npad + (t - t0);                                  \
-                for (int g = 0; g < PV_HEADS(CD); g++) {                                         \
+                for (int g = 0; g < PV_HEADS(ST); g++) {                                         \
                     if (g < gn) {                                                                \
-                        uint32_t pp;                                                             \
-                        memcpy(&pp, pt + g * npad, 4);                                           \
-                        const __m512bh p = (__m512bh)_mm512_set1_epi32((int)pp);                 \
-                        for (int c = 0; c < CD; c++)                                             \
-                            acc[g][c] = _mm512_dpbf16_ps(acc[g][c], (__m512bh)pair[c], p);       \
+                        const vbx p = vprep(vbcast_pair(pt + g * npad));                         \
+                        for (int c = 0; c < PV_CD(ST); c++)                                      \
+                            acc[g][c] = vdot(acc[g][c], pair[c], p);                             \
                     }                                                                            \
                 }                                                                                \
             }                                                                                    \
             for (int g = 0; g < gn; g++) {                                                       \
-                const __m512 inv = _mm512_set1_ps(inv_sum[g0 + g]);                              \
-                for (int c = 0; c < CD / 2; c++) {                                               \
-                    const __m512 lo = acc[g][2 * c], hi = acc[g][2 * c + 1];                     \
-                    uint16_t *o = out + (g0 + g) * D + 32 * c;                                   \
-                    store_bf16x16(o, round_bf16x16(_mm512_mul_ps(                                \
-                                         _mm512_permutex2var_ps(lo, lo_idx, hi), inv)), 16);     \
-                    store_bf16x16(o + 16, round_bf16x16(_mm512_mul_ps(                           \
-                                              _mm512_permutex2var_ps(lo, hi_idx, hi), inv)), 16);\
+                const vf inv = vset1(inv_sum[g0 + g]);                                           \
+                for (int c = 0; c < PV_CD(ST) / 2; c++) {                                        \
+                    vf first, second;                                                            \
+                    vunpair(acc[g][2 * c], acc[g][2 * c + 1], &first, &second);                  \
+                    uint16_t *o = out + (g0 + g) * D + 2 * VL * c;                               \
+                    vstore_bf16_part(o, vround_bf16(vmul(first, inv)), VL);                      \
+                    vstore_bf16_part(o + VL, vround_bf16(vmul(second, inv)), VL);                \
                 }                                                                                \
             }                                                                                    \
         }                                                                                        \
     }
+PV_KERNEL(1)
 PV_KERNEL(2)
+PV_KERNEL(3)
 PV_KERNEL(4)
+PV_KERNEL(5)
 PV_KERNEL(6)
+PV_KERNEL(7)
 PV_KERNEL(8)
-PV_KERNEL(10)
-PV_KERNEL(12)
-PV_KERNEL(14)
-PV_KERNEL(16)
-
 
 /* Decode attention (one query token per sequence) straight from the paged bf16 cache.
    Per (sequence b, kv head j): optionally rotates q and k (positions != NULL), writes the new
    k and v rows to the cache at slots[b] (skipped when -1), then attends over keys
-   [max(0, L - window), L) with L = seq_lens[b] (window 0 = no window): q.k with vdpbf16ps in
-   float32, float32 softmax, float32 p.v; out [B, H*D] bf16.
+   [max(0, L - window), L) with L = seq_lens[b] (window 0 = no window): q.k in float32,
+   float32 softmax, float32 p.v; out [B, H*D] bf16.
    q/k/v rows are `*_stride` elements apart (so they can be views into a fused qkv output);
    caches [num_blocks, block_size, Hkv, D]; block_table [B, W]; cos_sin [positions, 2, D].
    scratch: `scratch_per_thread` floats per thread (>= 2 * H * (W * block_size + 16)). */
@@ -407,7 +344,7 @@ void ingot_decode_attention_bf16(
                 else memcpy(kdst, ksrc, D * 2);
                 memcpy(vc + (slot * Hkv + j) * D, v + b * v_stride + j * D, D * 2);
             }
-        /* 2. the task's queries (heads j0*G ..), rotated, as bf16 pairs for vdpbf16ps */
+        /* 2. the task's queries (heads j0*G ..), rotated, as bf16 pairs */
         uint16_t qh[ATTN_MAX_QH][ATTN_MAX_D] __attribute__((aligned(64)));
         for (int64_t h = 0; h < nh * G; h++) {
             const uint16_t *qsrc = q + b * q_stride + (j0 * G + h) * D;
@@ -440,36 +377,31 @@ void ingot_decode_attention_bf16(
         float inv_sum[ATTN_MAX_QH];
         for (int64_t g = 0; g < rows; g++) {
             float *sg = sc + g * npad;
-            __m512 mx = _mm512_set1_ps(-INFINITY);
-            for (int64_t i = 0; i < n; i += 16) {
-                const __mmask16 mk = (__mmask16)(n - i >= 16 ? 0xffffu : (1u << (n - i)) - 1u);
-                mx = _mm512_mask_max_ps(mx, mk, mx, _mm512_loadu_ps(sg + i));
+            vf mx = vset1(-INFINITY);
+            for (int64_t i = 0; i < n; i += VL) mx = vmax_in(mx, vtail(n - i), vload(sg + i));
+            const vf m = vset1(vhmax(mx));
+            vf z = vzero();
+            for (int64_t i = 0; i < npad; i += VL) {
+                const vf e = vkeep(vtail(n - i), exp_ps(vsub(vload(sg + i), m)));
+                vstore_bf16_part(pb + g * npad + i, vround_bf16(e), VL);
+                z = vadd(z, e);
             }
-            const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-            __m512 z = _mm512_setzero_ps();
-            for (int64_t i = 0; i < n; i += 16) {
-                const __mmask16 mk = (__mmask16)(n - i >= 16 ? 0xffffu : (1u << (n - i)) - 1u);
-                __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sg + i), m));
-                e = _mm512_maskz_mov_ps(mk, e);
-                store_bf16x16(pb + g * npad + i, round_bf16x16(e), 16);
-                z = _mm512_add_ps(z, e);
-            }
-            inv_sum[g] = 1.0f / _mm512_reduce_add_ps(z);
+            inv_sum[g] = 1.0f / vhsum(z);
         }
         for (int64_t j = j0; j < j0 + nh; j++) {
             const uint16_t *pj = pb + (j - j0) * G * npad;
             const float *ij = inv_sum + (j - j0) * G;
             /* 5. p.v in float32 (D is a multiple of 32 and at most 256) */
             uint16_t *o = out + b * H * D + j * G * D;
-            switch (D / 16) {
+            switch (steps) {
+            case 1: pv_1(vc, table, block_size, row, j, D, t0, L, pj, npad, G, ij, o); break;
             case 2: pv_2(vc, table, block_size, row, j, D, t0, L, pj, npad, G, ij, o); break;
+            case 3: pv_3(vc, table, block_size, row, j, D, t0, L, pj, npad, G, ij, o); break;
             case 4: pv_4(vc, table, block_size, row, j, D, t0, L, pj, npad, G, ij, o); break;
+            case 5: pv_5(vc, table, block_size, row, j, D, t0, L, pj, npad, G, ij, o); break;
             case 6: pv_6(vc, table, block_size, row, j, D, t0, L, pj, npad, G, ij, o); break;
-            case 8: pv_8(vc, table, block_size, row, j, D, t0, L, pj, npad, G, ij, o); break;
-            case 10: pv_10(vc, table, block_size, row, j, D, t0, L, pj, npad, G, ij, o); break;
-            case 12: pv_12(vc, table, block_size, row, j, D, t0, L, pj, npad, G, ij, o); break;
-            case 14: pv_14(vc, table, block_size, row, j, D, t0, L, pj, npad, G, ij, o); break;
-            default: pv_16(vc, table, block_size, row, j, D, t0, L, pj, npad, G, ij, o); break;
+            case 7: pv_7(vc, table, block_size, row, j, D, t0, L, pj, npad, G, ij, o); break;
+            default: pv_8(vc, table, block_size, row, j, D, t0, L, pj, npad, G, ij, o); break;
             }
         }
     }
@@ -478,44 +410,50 @@ void ingot_decode_attention_bf16(
 /* ---------------------------------------------------------------------------------------- */
 /* out[m] = index of the largest of x[m, :N] (bf16), the first one on ties and the first NaN if
    any, as torch.argmax. Rows run in parallel; torch's own argmax takes ~9 ms on 64 x 49152 bf16
-   logits here, this ~1 ms. */
+   logits here, this ~1 ms. Lane indices are kept as floats (exact below 2^24; longer rows take
+   the scalar loop). */
 void ingot_argmax_bf16(const uint16_t *x, int64_t *out, int64_t M, int64_t N, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (M > 1)
     for (int64_t m = 0; m < M; m++) {
         const uint16_t *row = x + m * N;
-        __m512 best = _mm512_set1_ps(-INFINITY);
-        __m512i best_i = _mm512_set1_epi32(-1);
-        __m512i idx = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-        __mmask16 any_nan = 0;
-        for (int64_t n = 0; n < N; n += 16) {
-            const int cnt = N - n < 16 ? (int)(N - n) : 16;
-            const __mmask16 mk = (__mmask16)(cnt == 16 ? 0xffffu : (1u << cnt) - 1u);
-            const __m512 v = maskload_bf16x16(row + n, mk);
-            any_nan |= _mm512_mask_cmp_ps_mask(mk, v, v, _CMP_UNORD_Q);
-            /* strictly greater (or the lane's first value): keeps the first index on ties */
-            const __mmask16 take = _mm512_mask_cmp_ps_mask(mk, v, best, _CMP_GT_OQ) |
-                                   (mk & _mm512_cmpeq_epi32_mask(best_i, _mm512_set1_epi32(-1)));
-            best = _mm512_mask_mov_ps(best, take, v);
-            best_i = _mm512_mask_mov_epi32(best_i, take, idx);
-            idx = _mm512_add_epi32(idx, _mm512_set1_epi32(16));
+        if (N >= (1 << 24)) {
+            int64_t arg = 0;
+            for (int64_t n = 0; n < N; n++) {
+                const float f = from_bf16(row[n]);
+                if (isnan(f)) { arg = n; break; }
+                if (f > from_bf16(row[arg])) arg = n;
+            }
+            out[m] = arg;
+            continue;
         }
-        if (any_nan) {
+        vf best = vset1(-INFINITY), best_i = vset1(-1.0f), idx = viota();
+        vm any_nan = visnan(vzero());
+        for (int64_t n = 0; n < N; n += VL) {
+            const vm mk = vtail(N - n);
+            const vf v = vload_bf16_part(row + n, N - n);
+            any_nan = vmor(any_nan, vmand(mk, visnan(v)));
+            /* strictly greater (or the lane's first value): keeps the first index on ties */
+            const vm take = vmand(mk, vmor(vcmpgt(v, best), vcmpgt(vzero(), best_i)));
+            best = vblend(take, best, v);
+            best_i = vblend(take, best_i, idx);
+            idx = vadd(idx, vset1((float)VL));
+        }
+        if (vmany(any_nan)) {
             int64_t n = 0;
             while (!isnan(from_bf16(row[n]))) n++;
             out[m] = n;
             continue;
         }
-        float bv[16];
-        int32_t bi[16];
-        _mm512_storeu_ps(bv, best);
-        _mm512_storeu_si512((void *)bi, best_i);
+        float bv[VL], bi[VL];
+        vstore(bv, best);
+        vstore(bi, best_i);
         int64_t arg = -1;
         float top = -INFINITY;
-        for (int l = 0; l < 16; l++) {
+        for (int l = 0; l < VL; l++) {
             if (bi[l] < 0) continue;
-            if (arg < 0 || bv[l] > top || (bv[l] == top && bi[l] < arg)) {
+            if (arg < 0 || bv[l] > top || (bv[l] == top && (int64_t)bi[l] < arg)) {
                 top = bv[l];
-                arg = bi[l];
+                arg = (int64_t)bi[l];
             }
         }
         out[m] = arg;
@@ -585,20 +523,19 @@ void ingot_rope_write_kv_bf16(const uint16_t *q, int64_t q_stride, const uint16_
 
 /* res[t * 4 + r] = x_t . w_r over n elements for NT (1, 2 or 4) rows of x and 4 rows of w
    (float32: the bf16 kernel reads a packed layout instead, below). */
-static inline __attribute__((always_inline)) void moe_tile_f32(
-    const float *const *xr, const int NT, const float *const *wr, int64_t n, float *res) {
-    __m512 acc[16];
-    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < n; k += 16) {
-        const __mmask16 mk = n - k >= 16 ? 0xffffu : (__mmask16)((1u << (n - k)) - 1u);
-        __m512 w[4];
-        for (int r = 0; r < 4; r++) w[r] = _mm512_maskz_loadu_ps(mk, wr[r] + k);
+INL void moe_tile_f32(const float *const *xr, const int NT, const float *const *wr, int64_t n,
+                      float *res) {
+    vf acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = vzero();
+    for (int64_t k = 0; k < n; k += VL) {
+        vf w[4];
+        for (int r = 0; r < 4; r++) w[r] = vload_part(wr[r] + k, n - k);
         for (int t = 0; t < NT; t++) {
-            const __m512 xv = _mm512_maskz_loadu_ps(mk, xr[t] + k);
-            for (int r = 0; r < 4; r++) acc[t * 4 + r] = _mm512_fmadd_ps(w[r], xv, acc[t * 4 + r]);
+            const vf xv = vload_part(xr[t] + k, n - k);
+            for (int r = 0; r < 4; r++) acc[t * 4 + r] = vfma(w[r], xv, acc[t * 4 + r]);
         }
     }
-    _mm512_storeu_ps(res, hsum16(acc));
+    for (int i = 0; i < 16; i += VL) vstore(res + i, vhsum_vl(acc + i));
 }
 
 /* Step 1: order[offs[e] .. offs[e + 1]) = the assignments (t * K + j) of local expert e, in
@@ -740,58 +677,77 @@ void ingot_moe_pack_bf16(const uint16_t *w, uint16_t *packed, int64_t M, int64_t
 /* bf16 GEMM for steps of more rows than the GEMV serves (prefill, batched decode), on CPUs
    without AMX. There vdpbf16ps retires at about half the rate of float32 FMAs (measured here:
    oneDNN's bf16 GEMM ~75 GFLOP/s a core, MKL's float32 ~136), so this kernel widens the bf16
-   weights to float32 in registers and multiplies with FMAs: y = bf16(x . w^T + bias).
-   w is packed as ingot_moe_pack_bf16 lays out one matrix ([N/16][K/2][16][2]): one 64-byte
-   load becomes the even-k and odd-k weights of 16 outputs with one shift and one mask. A tile
-   is 8 rows x 48 outputs (24 accumulators); a work item is a chunk of rows x up to 192
-   outputs, its rows widened to float32 once per item into the thread's buffer. Each output is one FMA
-   chain over k in order, the bias added before one rounding: a row's result does not depend
-   on the other rows or on the tiling (batched equals alone, bit for bit). Items are handed
-   out dynamically, so a thread preempted by another process leaves its share to the others. */
+   weights to float32 in registers and multiplies with FMAs on every build: y = bf16(x . w^T +
+   bias). w is packed as ingot_moe_pack_bf16 lays out one matrix ([N/16][K/2][16][2]): one pair
+   vector becomes the even-k and odd-k weights of VL outputs with one shift and one mask. A
+   tile is GEMM_MR rows x GEMM_NB blocks of 16 outputs (8 x 48 on AVX-512: 24 accumulators;
+   4 x 16 with 8 lanes: 8 accumulators, the 4 widened weight vectors, the mask and a broadcast
+   in AVX2's 16 registers; at 6 x 16 GCC spilled 4 accumulators and the model's linears at 128
+   rows took 1.07-1.31 s on one Zen 3 thread against 0.84 s, MKL's float32 0.90-0.96 s); a work item is a chunk of rows x up to
+   GEMM_ITEM_TILES tiles, its rows widened to float32 once per item into the thread's buffer.
+   Each output is one FMA chain over k in order, the bias added before one rounding: a row's
+   result does not depend on the other rows or on the tiling (batched equals alone, bit for
+   bit). Items are handed out dynamically, so a thread preempted by another process leaves its
+   share to the others. */
+#define GEMM_SUB (16 / VL) /* pair vectors per 16-output block */
+#if VL == 16
 #define GEMM_MR 8
-#define GEMM_NB 3                 /* 16-output blocks per tile */
+#define GEMM_NB 3
+#else
+#define GEMM_MR 4
+#define GEMM_NB 1
+#endif
 #define GEMM_ITEM_TILES 4         /* tiles of outputs per work item */
 #define GEMM_ITEM_ROWS 32
 
-static inline __attribute__((always_inline)) void gemm_tile_bf16(
-    const float *xf, int64_t K, const int MR, const int NB, const uint16_t *wp, int64_t kp,
-    const float *bias, uint16_t *y, int64_t N, int64_t n0) {
-    __m512 a[GEMM_MR][GEMM_NB];
+INL void gemm_tile_bf16(const float *xf, int64_t K, const int MR, const int NB, const uint16_t *wp,
+                        int64_t kp, const float *bias, uint16_t *y, int64_t N, int64_t n0) {
+    vf a[GEMM_MR][GEMM_NB * GEMM_SUB];
     for (int m = 0; m < MR; m++)
-        for (int b = 0; b < NB; b++) a[m][b] = _mm512_setzero_ps();
-    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+        for (int b = 0; b < NB * GEMM_SUB; b++) a[m][b] = vzero();
+    /* Each accumulator takes even then odd k, in order: a row's result does not depend on
+       the tile. */
     for (int64_t k = 0; k < kp; k++) {
-        __m512 we[GEMM_NB], wo[GEMM_NB];
-        for (int b = 0; b < NB; b++) {
-            const __m512i v = _mm512_loadu_si512((const void *)(wp + (b * kp + k) * 32));
-            we[b] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-            wo[b] = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
-        }
+        vf we[GEMM_NB * GEMM_SUB], wo[GEMM_NB * GEMM_SUB];
+#pragma GCC unroll 4
+        for (int b = 0; b < NB; b++)
+#pragma GCC unroll 4
+            for (int s = 0; s < GEMM_SUB; s++)
+                vwiden_pairs(vloadb(wp + (b * kp + k) * 32 + 2 * VL * s), &we[b * GEMM_SUB + s],
+                             &wo[b * GEMM_SUB + s]);
+#pragma GCC unroll 8
         for (int m = 0; m < MR; m++) {
-            const __m512 x0 = _mm512_set1_ps(xf[m * K + 2 * k]);
-            const __m512 x1 = _mm512_set1_ps(xf[m * K + 2 * k + 1]);
-            for (int b = 0; b < NB; b++) {
-                a[m][b] = _mm512_fmadd_ps(we[b], x0, a[m][b]);
-                a[m][b] = _mm512_fmadd_ps(wo[b], x1, a[m][b]);
-            }
+            const vf x0 = vset1(xf[m * K + 2 * k]);
+#pragma GCC unroll 4
+            for (int b = 0; b < NB * GEMM_SUB; b++) a[m][b] = vfma(we[b], x0, a[m][b]);
+        }
+#pragma GCC unroll 8
+        for (int m = 0; m < MR; m++) {
+            const vf x1 = vset1(xf[m * K + 2 * k + 1]);
+#pragma GCC unroll 4
+            for (int b = 0; b < NB * GEMM_SUB; b++) a[m][b] = vfma(wo[b], x1, a[m][b]);
         }
     }
-    for (int b = 0; b < NB; b++) {
-        const int64_t c = n0 + b * 16;
-        const int cnt = N - c < 16 ? (int)(N - c) : 16;
-        const __mmask16 mask = (__mmask16)(cnt == 16 ? 0xffffu : (1u << cnt) - 1u);
-        const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + c) : _mm512_setzero_ps();
+    for (int b = 0; b < NB * GEMM_SUB; b++) {
+        const int64_t c = n0 + b * VL;
+        if (c >= N) break;
+        const vf bv = bias ? vload_part(bias + c, N - c) : vzero();
         for (int m = 0; m < MR; m++)
-            store_bf16x16(y + m * N + c, round_bf16x16(_mm512_add_ps(a[m][b], bv)), cnt);
+            vstore_bf16_part(y + m * N + c, vround_bf16(vadd(a[m][b], bv)), N - c);
     }
 }
 
+#if GEMM_NB == 3
 #define GEMM_TILE_CASE(MR_)                                                                      \
     case MR_:                                                                                    \
         if (nbt == 3) gemm_tile_bf16(xf, K, MR_, 3, wt, kp, bias, yt, N, n0);                   \
         else if (nbt == 2) gemm_tile_bf16(xf, K, MR_, 2, wt, kp, bias, yt, N, n0);              \
         else gemm_tile_bf16(xf, K, MR_, 1, wt, kp, bias, yt, N, n0);                            \
         break;
+#else
+#define GEMM_TILE_CASE(MR_)                                                                      \
+    case MR_: gemm_tile_bf16(xf, K, MR_, 1, wt, kp, bias, yt, N, n0); break;
+#endif
 
 int ingot_gemm_bf16(const uint16_t *x, const uint16_t *wp, const float *bias, uint16_t *y,
                     int64_t M, int64_t N, int64_t K, int nthreads) {
@@ -821,11 +777,10 @@ int ingot_gemm_bf16(const uint16_t *x, const uint16_t *wp, const float *bias, ui
             const int64_t rows = M - m0 < GEMM_ITEM_ROWS ? M - m0 : GEMM_ITEM_ROWS;
             const int64_t t0 = item % groups * per_item;
             const int64_t t1 = t0 + per_item < tiles ? t0 + per_item : tiles;
-            for (int64_t i = 0; i < rows * K; i += 16) {
-                const int n = rows * K - i < 16 ? (int)(rows * K - i) : 16;
-                _mm512_storeu_ps(xbuf + i, n == 16 ? load_bf16x16(x + m0 * K + i)
-                                                   : maskload_bf16x16(x + m0 * K + i, (__mmask16)((1u << n) - 1u)));
-            }
+            /* (a partial last vector writes zeros up to the next VL floats: inside the
+               64-byte-rounded buffer) */
+            for (int64_t i = 0; i < rows * K; i += VL)
+                vstore(xbuf + i, vload_bf16_part(x + m0 * K + i, rows * K - i));
             for (int64_t m = 0; m < rows; m += GEMM_MR) {
                 const int mr = rows - m < GEMM_MR ? (int)(rows - m) : GEMM_MR;
                 const float *xf = xbuf + m * K;
@@ -834,8 +789,14 @@ int ingot_gemm_bf16(const uint16_t *x, const uint16_t *wp, const float *bias, ui
                     const int nbt = nblocks - b0 < GEMM_NB ? (int)(nblocks - b0) : GEMM_NB;
                     const uint16_t *wt = wp + b0 * kp * 32;
                     uint16_t *yt = y + (m0 + m) * N;
+                    (void)nbt;
                     switch (mr) {
-                        GEMM_TILE_CASE(8) GEMM_TILE_CASE(7) GEMM_TILE_CASE(6) GEMM_TILE_CASE(5)
+#if GEMM_MR == 8
+                        GEMM_TILE_CASE(8) GEMM_TILE_CASE(7)
+#endif
+#if GEMM_MR >= 6
+                        GEMM_TILE_CASE(6) GEMM_TILE_CASE(5)
+#endif
                         GEMM_TILE_CASE(4) GEMM_TILE_CASE(3) GEMM_TILE_CASE(2) GEMM_TILE_CASE(1)
                     }
                 }
@@ -845,48 +806,51 @@ int ingot_gemm_bf16(const uint16_t *x, const uint16_t *wp, const float *bias, ui
     return failed ? -1 : 0;
 }
 
-/* ag[t] / au[t] = x_t . (16 rows of block g / u) over kp pairs, for NT tokens: two blocks and
-   two accumulators each over even and odd pairs, so 4 * NT independent vdpbf16ps chains hide
-   its latency (one chain per output block had bound the decode case). */
-static inline __attribute__((always_inline)) void moe_block2_bf16(
-    const uint16_t *const *xr, const int NT, const uint16_t *g, const uint16_t *u, int64_t kp,
-    __m512 *ag, __m512 *au) {
-    __m512 a[4][4];
+/* ag[t * MOE_SUB + s] / au[..] = x_t . (16 rows of block g / u) over kp pairs, for NT tokens
+   (MOE_SUB vectors of VL rows each): two blocks and two accumulators each over even and odd
+   pairs, so 4 * NT independent dot chains hide the latency (one chain per output block had
+   bound the decode case on vdpbf16ps). */
+#define MOE_SUB (16 / VL)
+INL void moe_block2_bf16(const uint16_t *const *xr, const int NT, const uint16_t *g,
+                         const uint16_t *u, int64_t kp, vf *ag, vf *au) {
+    vf a[4][4][MOE_SUB];
     for (int t = 0; t < NT; t++)
-        for (int j = 0; j < 4; j++) a[t][j] = _mm512_setzero_ps();
+        for (int j = 0; j < 4; j++)
+            for (int s = 0; s < MOE_SUB; s++) a[t][j][s] = vzero();
     int64_t k = 0;
     for (; k + 1 < kp; k += 2) {
-        const __m512bh wg0 = (__m512bh)_mm512_loadu_si512((const void *)(g + k * 32));
-        const __m512bh wu0 = (__m512bh)_mm512_loadu_si512((const void *)(u + k * 32));
-        const __m512bh wg1 = (__m512bh)_mm512_loadu_si512((const void *)(g + k * 32 + 32));
-        const __m512bh wu1 = (__m512bh)_mm512_loadu_si512((const void *)(u + k * 32 + 32));
+        vb wg0[MOE_SUB], wu0[MOE_SUB], wg1[MOE_SUB], wu1[MOE_SUB];
+        for (int s = 0; s < MOE_SUB; s++) {
+            wg0[s] = vloadb(g + k * 32 + 2 * VL * s);
+            wu0[s] = vloadb(u + k * 32 + 2 * VL * s);
+            wg1[s] = vloadb(g + k * 32 + 32 + 2 * VL * s);
+            wu1[s] = vloadb(u + k * 32 + 32 + 2 * VL * s);
+        }
         for (int t = 0; t < NT; t++) {
-            uint32_t p0, p1;
-            memcpy(&p0, xr[t] + 2 * k, 4);
-            memcpy(&p1, xr[t] + 2 * k + 2, 4);
-            const __m512bh x0 = (__m512bh)_mm512_set1_epi32((int)p0);
-            const __m512bh x1 = (__m512bh)_mm512_set1_epi32((int)p1);
-            a[t][0] = _mm512_dpbf16_ps(a[t][0], wg0, x0);
-            a[t][1] = _mm512_dpbf16_ps(a[t][1], wu0, x0);
-            a[t][2] = _mm512_dpbf16_ps(a[t][2], wg1, x1);
-            a[t][3] = _mm512_dpbf16_ps(a[t][3], wu1, x1);
+            const vbx x0 = vprep(vbcast_pair(xr[t] + 2 * k));
+            const vbx x1 = vprep(vbcast_pair(xr[t] + 2 * k + 2));
+            for (int s = 0; s < MOE_SUB; s++) {
+                a[t][0][s] = vdot(a[t][0][s], wg0[s], x0);
+                a[t][1][s] = vdot(a[t][1][s], wu0[s], x0);
+                a[t][2][s] = vdot(a[t][2][s], wg1[s], x1);
+                a[t][3][s] = vdot(a[t][3][s], wu1[s], x1);
+            }
         }
     }
     if (k < kp) {
-        const __m512bh wg0 = (__m512bh)_mm512_loadu_si512((const void *)(g + k * 32));
-        const __m512bh wu0 = (__m512bh)_mm512_loadu_si512((const void *)(u + k * 32));
         for (int t = 0; t < NT; t++) {
-            uint32_t p0;
-            memcpy(&p0, xr[t] + 2 * k, 4);
-            const __m512bh x0 = (__m512bh)_mm512_set1_epi32((int)p0);
-            a[t][0] = _mm512_dpbf16_ps(a[t][0], wg0, x0);
-            a[t][1] = _mm512_dpbf16_ps(a[t][1], wu0, x0);
+            const vbx x0 = vprep(vbcast_pair(xr[t] + 2 * k));
+            for (int s = 0; s < MOE_SUB; s++) {
+                a[t][0][s] = vdot(a[t][0][s], vloadb(g + k * 32 + 2 * VL * s), x0);
+                a[t][1][s] = vdot(a[t][1][s], vloadb(u + k * 32 + 2 * VL * s), x0);
+            }
         }
     }
-    for (int t = 0; t < NT; t++) {
-        ag[t] = _mm512_add_ps(a[t][0], a[t][2]);
-        au[t] = _mm512_add_ps(a[t][1], a[t][3]);
-    }
+    for (int t = 0; t < NT; t++)
+        for (int s = 0; s < MOE_SUB; s++) {
+            ag[t * MOE_SUB + s] = vadd(a[t][0][s], a[t][2][s]);
+            au[t * MOE_SUB + s] = vadd(a[t][1][s], a[t][3][s]);
+        }
 }
 
 int ingot_fused_moe_bf16(const uint16_t *x, const int64_t *ids, const float *topw,
@@ -913,21 +877,23 @@ int ingot_fused_moe_bf16(const uint16_t *x, const int64_t *ids, const float *top
             const int64_t e = items[it] / ib, c = items[it] % ib;
             const uint16_t *g = w13p + ((e * 2 + 0) * ib + c) * kh * 32;
             const uint16_t *u = w13p + ((e * 2 + 1) * ib + c) * kh * 32;
-            const int cnt = I - c * 16 < 16 ? (int)(I - c * 16) : 16;
+            const int64_t cnt = I - c * 16 < 16 ? I - c * 16 : 16;
             for (int64_t a = offs[e]; a < offs[e + 1];) {
                 const int nt = MOE_NT(offs[e + 1] - a);
                 const uint16_t *xr[4];
                 for (int t = 0; t < nt; t++) xr[t] = x + (order[a + t] / K) * H;
-                __m512 ag[4], au[4];
+                vf ag[4 * MOE_SUB], au[4 * MOE_SUB];
                 if (nt == 4) moe_block2_bf16(xr, 4, g, u, kh, ag, au);
                 else if (nt == 2) moe_block2_bf16(xr, 2, g, u, kh, ag, au);
                 else moe_block2_bf16(xr, 1, g, u, kh, ag, au);
-                for (int t = 0; t < nt; t++) {
-                    const __m512 gv = round_bf16x16(ag[t]), uv = round_bf16x16(au[t]);
-                    const __m512 e_ = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-                    const __m512 sg = round_bf16x16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e_)));
-                    store_bf16x16(act + (a + t) * I + c * 16, round_bf16x16(_mm512_mul_ps(sg, uv)), cnt);
-                }
+                for (int t = 0; t < nt; t++)
+                    for (int s = 0; s < MOE_SUB && s * VL < cnt; s++) {
+                        const vf gv = vround_bf16(ag[t * MOE_SUB + s]), uv = vround_bf16(au[t * MOE_SUB + s]);
+                        const vf e_ = exp_ps(vsub(vzero(), gv));
+                        const vf sg = vround_bf16(vdiv(gv, vadd(vset1(1.0f), e_)));
+                        vstore_bf16_part(act + (a + t) * I + c * 16 + s * VL, vround_bf16(vmul(sg, uv)),
+                                         cnt - s * VL);
+                    }
                 a += nt;
             }
         }
@@ -936,13 +902,11 @@ int ingot_fused_moe_bf16(const uint16_t *x, const int64_t *ids, const float *top
 #pragma omp for schedule(static)
         for (int64_t hi = 0; hi < hitems; hi++) {
             const int64_t b0 = 2 * hi, b1 = b0 + 1 < hb ? b0 + 1 : b0;
-            const int c0 = H - b0 * 16 < 16 ? (int)(H - b0 * 16) : 16;
-            const int c1 = H - b1 * 16 < 16 ? (int)(H - b1 * 16) : 16;
-            const __mmask16 m0 = (__mmask16)(c0 == 16 ? 0xffffu : (1u << c0) - 1u);
-            const __mmask16 m1 = (__mmask16)(c1 == 16 ? 0xffffu : (1u << c1) - 1u);
+            const int64_t c0 = H - b0 * 16 < 16 ? H - b0 * 16 : 16;
+            const int64_t c1 = H - b1 * 16 < 16 ? H - b1 * 16 : 16;
             for (int64_t t = 0; t < T; t++) {
-                store_bf16x16(out + t * H + b0 * 16, _mm512_setzero_ps(), c0);
-                store_bf16x16(out + t * H + b1 * 16, _mm512_setzero_ps(), c1);
+                memset(out + t * H + b0 * 16, 0, (size_t)c0 * 2);
+                memset(out + t * H + b1 * 16, 0, (size_t)c1 * 2);
             }
             for (int64_t e = 0; e < E; e++) {
                 const uint16_t *w0 = w2p + (e * hb + b0) * ki * 32, *w1 = w2p + (e * hb + b1) * ki * 32;
@@ -950,19 +914,26 @@ int ingot_fused_moe_bf16(const uint16_t *x, const int64_t *ids, const float *top
                     const int nt = MOE_NT(offs[e + 1] - a);
                     const uint16_t *ar[4];
                     for (int t = 0; t < nt; t++) ar[t] = act + (a + t) * I;
-                    __m512 y0[4], y1[4];
+                    vf y0[4 * MOE_SUB], y1[4 * MOE_SUB];
                     if (nt == 4) moe_block2_bf16(ar, 4, w0, w1, ki, y0, y1);
                     else if (nt == 2) moe_block2_bf16(ar, 2, w0, w1, ki, y0, y1);
                     else moe_block2_bf16(ar, 1, w0, w1, ki, y0, y1);
                     for (int t = 0; t < nt; t++) {
                         const int64_t as = order[a + t];
-                        const __m512 s = _mm512_set1_ps(topw[as]);
+                        const vf sv = vset1(topw[as]);
                         uint16_t *o = out + (as / K) * H;
-                        const __m512 v0 = round_bf16x16(_mm512_mul_ps(round_bf16x16(y0[t]), s));
-                        store_bf16x16(o + b0 * 16, round_bf16x16(_mm512_add_ps(maskload_bf16x16(o + b0 * 16, m0), v0)), c0);
-                        if (b1 != b0) {
-                            const __m512 v1 = round_bf16x16(_mm512_mul_ps(round_bf16x16(y1[t]), s));
-                            store_bf16x16(o + b1 * 16, round_bf16x16(_mm512_add_ps(maskload_bf16x16(o + b1 * 16, m1), v1)), c1);
+                        for (int s = 0; s < MOE_SUB; s++) {
+                            const int64_t o0 = b0 * 16 + s * VL, o1 = b1 * 16 + s * VL;
+                            if (c0 > s * VL) {
+                                const vf v0 = vround_bf16(vmul(vround_bf16(y0[t * MOE_SUB + s]), sv));
+                                vstore_bf16_part(o + o0, vround_bf16(vadd(vload_bf16_part(o + o0, c0 - s * VL), v0)),
+                                                 c0 - s * VL);
+                            }
+                            if (b1 != b0 && c1 > s * VL) {
+                                const vf v1 = vround_bf16(vmul(vround_bf16(y1[t * MOE_SUB + s]), sv));
+                                vstore_bf16_part(o + o1, vround_bf16(vadd(vload_bf16_part(o + o1, c1 - s * VL), v1)),
+                                                 c1 - s * VL);
+                            }
                         }
                     }
                     a += nt;

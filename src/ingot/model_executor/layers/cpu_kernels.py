@@ -1,15 +1,23 @@
-"""ingot's own CPU kernels for bf16 decode on CPUs with AVX512-BF16 (source: cpu_kernels.c).
+"""ingot's own CPU kernels for bf16 decode (source: cpu_kernels.c), written once over the vector
+layer of cpu_kernels_vec.h and built per ISA (:data:`ISAS`): AVX-512 with AVX512-BF16's
+``vdpbf16ps``, AVX-512F, AVX2 + FMA (bf16 widened to float32 in registers by a 16-bit shift,
+float32 FMAs: AMD Zen 2/3, older Xeons) and a portable build (plain C the compiler vectorises).
+The loader takes the widest build the CPU runs (``INGOT_CPU_ISA`` caps it); tests load each.
 
 Why: a decode step at small batch is a chain of GEMVs whose cost is reading the weights, plus a
 few hundred small elementwise ops whose cost is dispatch, not arithmetic. Measured on the
-project's 2-core machine (single-stream decode of the default model):
+project's 2-core AVX512-BF16 machine (single-stream decode of the default model):
 - ``gemv``: the weight pre-packed in blocks of 8 rows (:func:`pack_gemv_weight`) streams at
   ~20 GB/s against ~13.5 GB/s for a row-major walk and ~8.5 GB/s for oneDNN's packed linear on
   these 0.6-3.5 MB matrices. Used up to GEMV_MAX_ROWS rows; beyond, oneDNN's AMX path is faster.
+  On an AMD EPYC (Zen 3, AVX2, one thread, a loaded machine) the avx2 build's GEMV over the
+  default model's 30 layers' linears and LM head took 25 ms against 65 ms for MKL's float32
+  GEMV on float32 weights (half the bytes, and no emulated bf16 compute).
 - ``gemm``: more rows on CPUs without AMX, float32 FMAs on bf16 weights widened in registers
   (1.5-2x oneDNN's bf16 GEMM there, whose vdpbf16ps runs at half the FMA rate).
 - ``decode_attention``: rotary, the KV-cache write and attention over the paged cache (no
-  gather) in one call per layer; q.k with ``vdpbf16ps`` 16 keys at a time, float32 softmax.
+  gather) in one call per layer; q.k as bf16 dot products 16 (8) keys at a time, float32
+  softmax.
 - ``rms_norm`` (with the residual add) and ``silu_mul``: one call instead of 9 and 3 torch ops.
 - ``write_kv``: a prefill chunk's k/v rows into the paged cache (one call for both caches).
 - ``rope_write_kv``: a prefill chunk's rotary on q and k, and the cache write, in one call.
@@ -19,15 +27,13 @@ project's 2-core machine (single-stream decode of the default model):
   per expert from Python.
 Elementwise results round to bf16 at the same points as the torch ops they replace.
 
-Encoder-only models' float32 kernels and OpenMP thread pinning need no bf16 math, so they live
-in a second library (cpu_kernels_f32.c, :func:`load_f32_kernels`) built for the widest of
-AVX-512 or AVX2 + FMA the CPU runs: CPUs without AVX512-BF16 (AMD Zen 2/3, older Xeons) still
-get them.
+Encoder-only models' float32 kernels and OpenMP thread pinning need no bf16 math; they live in a
+second library (cpu_kernels_f32.c, :func:`load_f32_kernels`) over the same vector layer.
 
 Each C source is built once per machine and ISA with the system C compiler into the ingot cache
 (``$INGOT_CACHE_ROOT/kernels``) and loaded with ctypes; OpenMP is the libgomp torch already
-loaded. Without a compiler, without the ISA, or with ``INGOT_CPU_KERNELS=0``, the loaders
-return None and the torch ops / oneDNN run.
+loaded. Without a compiler, or with ``INGOT_CPU_KERNELS=0``, the loaders return None and the
+torch ops / oneDNN run.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -62,21 +69,46 @@ _SOURCE_PATH = Path(__file__).with_suffix(".c")
 _F32_SOURCE_PATH = Path(__file__).with_name("cpu_kernels_f32.c")
 _HEADER_PATH = Path(__file__).with_name("cpu_kernels_vec.h")  # included by both sources
 _COMMON_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-lm"]
-_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", *_COMMON_FLAGS]
-# The float32 library's builds, widest first: the /proc/cpuinfo flags each needs, its compiler
-# flags and its vector width (the built library reports the width it was compiled for).
-F32_ISAS: dict[str, tuple[tuple[str, ...], tuple[str, ...], int]] = {
-    "avx512": (("avx512f",), ("-mavx512f",), 16),
-    "avx2": (("avx2", "fma"), ("-mavx2", "-mfma"), 8),
+
+
+@dataclass(frozen=True)
+class KernelIsa:
+    """One build of ingot's kernel sources over the vector layer (cpu_kernels_vec.h)."""
+
+    #: /proc/cpuinfo flags the CPU needs to run it.
+    cpu_flags: tuple[str, ...]
+    #: Compiler flags that select the layer's section.
+    cc_flags: tuple[str, ...]
+    #: float32 lanes of a vector (the built library reports the width it was compiled for).
+    lanes: int
+    #: Whether bf16 dot products are native (vdpbf16ps) rather than widened to float32 FMAs.
+    native_bf16_dot: bool
+
+
+_AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl")
+#: The builds, widest first; the loaders take the first the CPU runs. "portable" (GCC vector
+#: extensions, no ISA flags) runs anywhere: the reference, and the build for other CPUs.
+ISAS: dict[str, KernelIsa] = {
+    "avx512_bf16": KernelIsa(("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+                             (*_AVX512, "-mavx512bf16"), 16, True),
+    "avx512": KernelIsa(("avx512f", "avx512bw", "avx512vl"), _AVX512, 16, False),
+    "avx2": KernelIsa(("avx2", "fma"), ("-mavx2", "-mfma"), 8, False),
+    "portable": KernelIsa((), (), 8, False),
 }
+#: The float32 library's builds (it has no bf16 dot product, so "avx512_bf16" would only
+#: duplicate "avx512").
+F32_ISAS: tuple[str, ...] = ("avx512", "avx2", "portable")
 _loaded: dict[str, object] = {}  # library name -> its bound entry points, or None
 
 
 class CpuKernels:
-    """The loaded library's entry points, with their ctypes signatures."""
+    """The loaded library's entry points, with their ctypes signatures, built for one ISA of
+    :data:`ISAS`."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, isa: str) -> None:
         p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+        self.isa = isa
+        _check_build(lib, isa)
         self.gemv = _bind(lib.ingot_gemv_bf16, [p] * 4 + [i64] * 3 + [i32])
         self.gemm = _bind(lib.ingot_gemm_bf16, [p] * 4 + [i64] * 3 + [i32])
         self.gemm.restype = ctypes.c_int
@@ -109,7 +141,7 @@ class F32Kernels:
         p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
         self.isa = isa
         self.lanes = _bind(lib.ingot_f32_lanes, [], i32)()
-        if self.lanes != F32_ISAS[isa][2]:
+        if self.lanes != ISAS[isa].lanes:
             raise OSError(f"the {isa} float32 kernels were built for {self.lanes} lanes")
         self.encoder_attention = _bind(
             lib.ingot_encoder_attention_f32, [p] * 3 + [i64, p, i64, p] + [i64] * 3 + [f32, p, i64, i32]
@@ -140,13 +172,23 @@ def _cpu_has(*flags: str) -> bool:
     return all(flag in words for flag in flags)
 
 
-def _cpu_has_avx512_bf16() -> bool:
-    return _cpu_has("avx512_bf16", "avx512bw", "avx512vl")
+def _check_build(lib: ctypes.CDLL, isa: str) -> None:
+    # A compiler that ignored a flag would hand back another section of the vector layer.
+    lanes = _bind(lib.ingot_cpu_lanes, [], ctypes.c_int)()
+    native = bool(_bind(lib.ingot_cpu_native_bf16_dot, [], ctypes.c_int)())
+    if (lanes, native) != (ISAS[isa].lanes, ISAS[isa].native_bf16_dot):
+        raise OSError(f"the {isa} kernels were built for {lanes} lanes, native bf16 dot {native}")
+
+
+def cpu_isas() -> tuple[str, ...]:
+    """The builds of :data:`ISAS` this CPU runs, widest first ("portable" always)."""
+    return tuple(isa for isa, build in ISAS.items() if _cpu_has(*build.cpu_flags))
 
 
 def f32_isas() -> tuple[str, ...]:
-    """The float32 library's ISAs this CPU runs, widest first (empty: none)."""
-    return tuple(isa for isa, (needs, _, _) in F32_ISAS.items() if _cpu_has(*needs))
+    """The float32 library's builds this CPU runs, widest first ("portable" always)."""
+    runs = cpu_isas()
+    return tuple(isa for isa in F32_ISAS if isa in runs)
 
 
 def gemm_preferred() -> bool:
@@ -226,27 +268,39 @@ def _load(name: str, source_path: Path, flags: list[str], bind):  # noqa: ANN001
     return kernels
 
 
-def load_cpu_kernels() -> CpuKernels | None:
-    """The bf16 decode kernels (and the fused MoE), built and loaded once per process; None
-    where they cannot be used (no AVX512-BF16 among them)."""
-    if not _cpu_has_avx512_bf16():
+def _pick(isa: str | None, builds: tuple[str, ...], runs: tuple[str, ...]) -> str | None:
+    # The widest build this CPU runs (at most INGOT_CPU_ISA's where set: an AVX-512 machine
+    # can run what an AVX2 CPU would), or the one asked for (None where the CPU cannot run it).
+    if isa is None:
+        cap = os.environ.get("INGOT_CPU_ISA")
+        if cap is not None:
+            if cap not in ISAS:
+                raise ValueError(f"INGOT_CPU_ISA must be one of {list(ISAS)}, got {cap!r}")
+            runs = tuple(r for r in runs if list(ISAS).index(r) >= list(ISAS).index(cap))
+        return next((r for r in runs if r in builds), None)
+    if isa not in builds:
+        raise ValueError(f"unknown CPU kernel ISA {isa!r}; one of {list(builds)}")
+    return isa if isa in runs else None
+
+
+def load_cpu_kernels(isa: str | None = None) -> CpuKernels | None:
+    """The bf16 decode kernels (and the fused MoE) for ``isa`` (one of :data:`ISAS`; default:
+    the widest this CPU runs, so every caller of the default shares one build), built and
+    loaded once per process; None where they cannot be used."""
+    isa = _pick(isa, tuple(ISAS), cpu_isas())
+    if isa is None:
         return None
-    return _load("bf16", _SOURCE_PATH, _FLAGS, CpuKernels)
+    flags = [*ISAS[isa].cc_flags, *_COMMON_FLAGS]
+    return _load(f"bf16-{isa}", _SOURCE_PATH, flags, lambda lib: CpuKernels(lib, isa))
 
 
 def load_f32_kernels(isa: str | None = None) -> F32Kernels | None:
     """The float32 kernels for ``isa`` (one of :data:`F32_ISAS`; default: the widest this CPU
     runs), built and loaded once per process; None where they cannot be used."""
-    runs = f32_isas()
+    isa = _pick(isa, F32_ISAS, f32_isas())
     if isa is None:
-        if not runs:
-            return None
-        isa = runs[0]
-    elif isa not in F32_ISAS:
-        raise ValueError(f"unknown float32 kernel ISA {isa!r}; one of {sorted(F32_ISAS)}")
-    elif isa not in runs:
         return None
-    flags = [*F32_ISAS[isa][1], *_COMMON_FLAGS]
+    flags = [*ISAS[isa].cc_flags, *_COMMON_FLAGS]
     return _load(f"f32-{isa}", _F32_SOURCE_PATH, flags, lambda lib: F32Kernels(lib, isa))
 
 

@@ -1,9 +1,8 @@
 /* ingot's float32 CPU kernels (encoder-only models: attention, bias + GELU, bias + residual +
  * LayerNorm) and OpenMP thread pinning, built by cpu_kernels.py for the widest vector ISA the
- * CPU runs: AVX-512 (16 lanes) or AVX2 + FMA (8 lanes, e.g. AMD Zen 2/3, older Xeons). Unlike
- * the bf16 decode kernels (cpu_kernels.c, AVX512-BF16 only) nothing here needs bf16 math, so
- * the kernels are written once over the small vector layer of cpu_kernels_vec.h and each
- * build picks its lane width and tile sizes. */
+ * CPU runs: AVX-512 (16 lanes), AVX2 + FMA (8 lanes, e.g. AMD Zen 2/3, older Xeons) or the
+ * portable build. Like the bf16 decode kernels (cpu_kernels.c) they are written once over the
+ * vector layer of cpu_kernels_vec.h, and each build picks its lane width and tile sizes. */
 #define _GNU_SOURCE /* sched_setaffinity, CPU_SET: ingot_bind_threads */
 #include <math.h>
 #include <omp.h>

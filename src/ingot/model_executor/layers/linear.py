@@ -105,8 +105,12 @@ class LinearBase(KernelBindable, nn.Module):
         self.gemv_weight = pack_gemv_weight(weight) if kernels is not None else None
         if kernels is not None and gemm_preferred() and self.input_size % 2 == 0:
             self.gemm_weight = pack_gemm_weight(kernels, weight)
-        else:
+        elif cpu_packed_linear_supported(weight.dtype, weight.device):
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)
+        else:
+            # No oneDNN bf16 on this CPU (AVX2) and no GEMM layout (odd K, INGOT_CPU_GEMM=0):
+            # more rows than the GEMV serves run F.linear on the plain weight.
+            keep_plain = True
         self.bias_f32 = self.bias.detach().float() if self.bias is not None else None
         if not keep_plain and not getattr(self.weight, "shared", False):
             self.weight.data = weight.new_empty(0)
