@@ -49,9 +49,20 @@ from ingot.entrypoints.openai.protocol import (
     message_dicts,
     now,
 )
-from ingot.entrypoints.openai.serving import ChatOptions, OpenAIServing, ServerBusyError, sse
+from ingot.entrypoints.openai.serving import (
+    ChatOptions,
+    IdleLimitedStreamingResponse,
+    OpenAIServing,
+    sse,
+)
 from ingot.entrypoints.openai.serving_pooling import OpenAIServingPooling
-from ingot.errors import EngineRequestError, PromptTooLongError, TokenIdError, new_error_id
+from ingot.errors import (
+    EngineRequestError,
+    PromptTooLongError,
+    ServerBusyError,
+    TokenIdError,
+    new_error_id,
+)
 from ingot.metrics.prometheus import EngineMetrics
 from ingot.version import __version__
 
@@ -485,7 +496,8 @@ def build_app(engine: EngineClient, settings: ServerSettings, metrics: EngineMet
                 yield sse(internal_error(request, exc))
                 yield "data: [DONE]\n\n"
 
-        return StreamingResponse(guarded(), media_type="text/event-stream")
+        return IdleLimitedStreamingResponse(guarded(), settings.limits.stream_idle_timeout,
+                                            media_type="text/event-stream")
 
     def check_generative(route: str) -> None:
         if model_config.is_pooling:
@@ -504,7 +516,9 @@ def build_app(engine: EngineClient, settings: ServerSettings, metrics: EngineMet
         if body.stream:
             # Prepared before the response starts, so a bad request still gets its status.
             prompts, params = serving.prepare_completion(body)
-            await serving.check_constraints(params, "structured_outputs")
+            # A client that leaves while its grammar waits for the compile pool withdraws it.
+            await _until_disconnected(request, serving.check_constraints(
+                params, "structured_outputs"))
             return stream_response(request, serving.completion_stream(body, prompts, params))
         return JSONResponse(await _until_disconnected(request, serving.completion(body)))
 
@@ -516,7 +530,8 @@ def build_app(engine: EngineClient, settings: ServerSettings, metrics: EngineMet
         check_running()
         if body.stream:
             prompt, params = await serving.prepare_chat(body)
-            await serving.check_constraints([params], body.constraint_field)
+            await _until_disconnected(request, serving.check_constraints(
+                [params], body.constraint_field))
             return stream_response(request, serving.chat_stream(body, prompt, params))
         return JSONResponse(await _until_disconnected(request, serving.chat(body)))
 
