@@ -137,6 +137,38 @@ def test_merge_runs_no_further_ahead_than_its_consumer():
     assert asyncio.run(main()) <= 6
 
 
+def test_closing_a_merge_aborts_a_stream_whose_pump_waits_on_it(tiny_llama_dir):
+    """A consumer that stops reading leaves its pump blocked on the queue, outside the stream;
+    closing the merge must still abort the request at once (not when the stream is collected:
+    here the test holds it)."""
+    engine = _engine(tiny_llama_dir)
+    real_step = engine.step
+
+    def slow_step() -> list:
+        time.sleep(0.01)  # 240 tokens take >= 2.4 s: it cannot finish by itself in the test
+        return real_step()
+
+    engine.step = slow_step
+    llm = AsyncLLM(engine)
+    params = SamplingParams(temperature=0, max_tokens=240, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
+
+    async def main() -> tuple[int, int]:
+        stream = llm.generate(PROMPT, params, "held")  # referenced: never collected early
+        merged = merge([stream])
+        await anext(merged)
+        await asyncio.sleep(0.3)  # the pump fills the queue and waits on it
+        running = await llm.call(llm.engine.get_num_unfinished_requests)
+        await merged.aclose()
+        await asyncio.sleep(0.3)
+        return running, await llm.call(llm.engine.get_num_unfinished_requests)
+
+    try:
+        assert asyncio.run(asyncio.wait_for(main(), 30)) == (1, 0)
+    finally:
+        llm.shutdown()
+
+
 # ---- slow readers over HTTP ------------------------------------------------------------------
 IDLE_S = 2.0
 LONG_CONTEXT = 16384

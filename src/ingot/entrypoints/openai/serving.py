@@ -165,6 +165,13 @@ async def merge(
             await q.put((i, exc))
         else:
             await q.put((i, done))
+        finally:
+            # Cancelled while waiting for the consumer, the pump is outside its stream: close
+            # it now, so its request is aborted at once rather than when it is collected.
+            # (Cancelled inside it, or after its end, the stream has finished: a no-op.)
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     for t in tasks:
