@@ -53,7 +53,8 @@ class RequestState:
     pooled: list[float] | None = None  # a pooling request's output
     error: str | None = None  # the core failed it (a constraint that did not compile)
     error_id: str | None = None  # ... through no fault of its own (EngineCoreOutput)
-    # DELTA outputs: how much of output_token_ids (and logprobs) / prompt_logprobs was sent.
+    # DELTA outputs: how much of output_token_ids / prompt_logprobs was sent (sent logprobs
+    # are dropped: ``logprobs`` then holds the unsent ones only).
     num_sent_tokens: int = 0
     num_sent_prompt_logprobs: int = 0
 
@@ -324,7 +325,9 @@ class OutputProcessor:
             start = request.num_sent_tokens
             request.num_sent_tokens = len(token_ids)
             token_ids = token_ids[start:]
-            logprobs = None if logprobs is None else logprobs[start:]
+            if logprobs is not None:
+                # Sent logprobs are not kept (the largest part of a long stream's state).
+                request.logprobs = []
         else:
             token_ids = list(token_ids)
         return CompletionOutput(
