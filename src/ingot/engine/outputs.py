@@ -79,7 +79,8 @@ class RequestOutput:
         self.finished = newer.finished
         self.metrics = newer.metrics
         self.num_cached_tokens = newer.num_cached_tokens
-        self.error = newer.error if newer.error is not None else self.error
+        if newer.error is not None:
+            self.error, self.error_id = newer.error, newer.error_id
 
 
 @dataclass
