@@ -726,16 +726,22 @@ def serve(engine_args: EngineArgs, host: str, port: int, settings_kwargs: dict[s
     app = build_app(engine, settings, metrics)
     logger.info("ready: serving %s on http://%s:%d (%.1fs)", served, host, port, elapsed)
     class Server(uvicorn.Server):
+        """uvicorn's server, its listening sockets given the unsent-bytes limit (accepted
+        connections inherit it)."""
+
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets)
             for listener in getattr(self, "servers", ()):
                 for sock in listener.sockets:
                     limit_unsent_bytes(sock)
 
+    # A bounded graceful shutdown: Ctrl-C must not wait forever on open streams.
+    server = Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                  access_log=False, timeout_graceful_shutdown=5))
     try:
-        # A bounded graceful shutdown: Ctrl-C must not wait forever on open streams.
-        Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                              timeout_graceful_shutdown=5)).run()
+        server.run()
+    except KeyboardInterrupt:
+        pass  # uvicorn re-raises Ctrl-C after its graceful shutdown (uvicorn.run ignores it)
     finally:
         engine.shutdown()
-    return 0
+    return 0 if server.started else 3  # uvicorn.run's exit code when it could not start

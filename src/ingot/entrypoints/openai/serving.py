@@ -782,7 +782,8 @@ class IdleLimitedStreamingResponse(StreamingResponse):
     async def stream_response(self, send: Send) -> None:
         async def timed_send(message: Message) -> None:
             try:
-                await asyncio.wait_for(send(message), self.idle_timeout)
+                async with asyncio.timeout(self.idle_timeout):  # no task per chunk
+                    await send(message)
             except TimeoutError:
                 raise _ClientStalled from None
 
