@@ -84,7 +84,12 @@ def test_delta_outputs_concatenate_to_the_cumulative_one(tiny_llama_dir):
         parts = [o.outputs[i] for o in deltas]
         assert "".join(p.text for p in parts) == whole.text == final.outputs[i].text
         assert sum((p.token_ids for p in parts), []) == whole.token_ids == final.outputs[i].token_ids
-        assert sum((p.logprobs for p in parts), []) == whole.logprobs
+        # The same entries; values as close as two runs' (the CPU kernels' thread count adapts
+        # to load, which changes the sums' order).
+        joined = sum((p.logprobs for p in parts), [])
+        assert [d.keys() for d in joined] == [d.keys() for d in whole.logprobs]
+        assert all(abs(a.logprob - w[t].logprob) < 1e-3
+                   for d, w in zip(joined, whole.logprobs, strict=True) for t, a in d.items())
         assert parts[-1].finish_reason == whole.finish_reason
         assert max(len(p.token_ids) for p in parts) == 1  # one step's token, never the history
     lengths = [len(o.outputs[0].token_ids) for o in cumulative]

@@ -725,6 +725,7 @@ def serve(engine_args: EngineArgs, host: str, port: int, settings_kwargs: dict[s
     )
     app = build_app(engine, settings, metrics)
     logger.info("ready: serving %s on http://%s:%d (%.1fs)", served, host, port, elapsed)
+
     class Server(uvicorn.Server):
         """uvicorn's server, its listening sockets given the unsent-bytes limit (accepted
         connections inherit it)."""

@@ -405,12 +405,14 @@ class OpenAIServing:
 
     def _streams(
         self, prompts: list[PreparedPrompt], params_list: list[SamplingParams], prefix: str,
-        kind: RequestOutputKind, cache_salt: str | None = None,
+        cache_salt: str | None = None,
     ) -> list[AsyncIterator[RequestOutput]]:
-        """The requests' output streams: DELTA for a streamed response (each step costs the
-        new tokens only), FINAL_ONLY for a whole one (one output, at the end)."""
+        """The requests' output streams, of deltas (``output_kind=DELTA``: a step costs the new
+        tokens only). A whole response merges them (``RequestOutput.add``) rather than asking
+        for the final output only: its first delta, with its first token, is what ends its
+        time in the waiting queue (``_started``)."""
         for params in params_list:
-            params.output_kind = kind
+            params.output_kind = RequestOutputKind.DELTA
         if self.log_requests:
             for i, (p, params) in enumerate(zip(prompts, params_list, strict=True)):
                 request_logger.info("request %s-%d: %d prompt tokens, %s", prefix, i,
@@ -508,11 +510,13 @@ class OpenAIServing:
         await self.check_constraints(params_list, "structured_outputs")
         request_id = random_id("cmpl")
         finals: dict[int, RequestOutput] = {}
-        streams = self._streams(prompts, params_list, request_id, RequestOutputKind.FINAL_ONLY,
-                                request.cache_salt)
+        streams = self._streams(prompts, params_list, request_id, request.cache_salt)
         async with aclosing(merge(streams)) as outs:
             async for i, out in outs:
-                finals[i] = out
+                if i in finals:
+                    finals[i].add(out)  # deltas: the whole output is their sum
+                else:
+                    finals[i] = out
         n = params_list[0].n
         choices = []
         completion_tokens = 0
@@ -551,8 +555,7 @@ class OpenAIServing:
         state = _StreamState(prompt_tokens=sum(len(p.token_ids) for p in prompts))
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         continuous = bool(request.stream_options and request.stream_options.continuous_usage_stats)
-        streams = self._streams(prompts, params_list, request_id, RequestOutputKind.DELTA,
-                                request.cache_salt)
+        streams = self._streams(prompts, params_list, request_id, request.cache_salt)
         async with aclosing(merge(streams)) as merged, _usage_recorded(state):
             async for i, out in merged:
                 for c in out.outputs:  # deltas: what is new since the last output read
@@ -646,11 +649,13 @@ class OpenAIServing:
         await self.check_constraints([params], request.constraint_field)
         request_id = random_id("chatcmpl")
         final = None
-        streams = self._streams([prompt], [params], request_id, RequestOutputKind.FINAL_ONLY,
-                                request.cache_salt)
+        streams = self._streams([prompt], [params], request_id, request.cache_salt)
         async with aclosing(merge(streams)) as outs:
             async for _, out in outs:
-                final = out
+                if final is None:
+                    final = out
+                else:
+                    final.add(out)  # deltas: the whole output is their sum
         assert final is not None
         top_n = request.top_logprobs or 0
         make_parser = self._output_parsers(prompt.tools)
@@ -705,8 +710,7 @@ class OpenAIServing:
         parsers: dict[int, ChatOutputParser] = {}
         # No chunk before the model has produced something: clients time their first token
         # from the first chunk, so the role travels with each choice's first content (as vLLM).
-        streams = self._streams([prompt], [params], request_id, RequestOutputKind.DELTA,
-                                request.cache_salt)
+        streams = self._streams([prompt], [params], request_id, request.cache_salt)
         async with aclosing(merge(streams)) as merged, _usage_recorded(state):
             async for _, out in merged:
                 for c in out.outputs:  # deltas: what is new since the last output read
