@@ -315,6 +315,9 @@ class StructuredOutputsConfig:
     #: Threads of the compile pool: grammars compile there, off the engine thread, while
     #: their requests wait (WAITING_FOR_FSM) and running requests keep decoding.
     compile_threads: int = 2
+    #: Compiles that may wait for a pool thread: a server request with a new grammar past
+    #: compile_threads + this many pending compiles gets a 503 (offline requests queue).
+    max_queued_compiles: int = 16
 
     @classmethod
     def from_dict(cls, value: dict[str, Any]) -> StructuredOutputsConfig:
@@ -340,6 +343,9 @@ class StructuredOutputsConfig:
             raise ValueError(f"max_json_whitespace must be an integer >= 1 or null, got {ws!r}")
         check_positive("cache_size", config.cache_size)
         check_positive("compile_threads", config.compile_threads)
+        queued = config.max_queued_compiles
+        if isinstance(queued, bool) or not isinstance(queued, int) or queued < 0:
+            raise ValueError(f"max_queued_compiles must be an integer >= 0, got {queued!r}")
         return config
 
 

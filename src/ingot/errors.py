@@ -36,3 +36,15 @@ class EngineRequestError(IngotError, RuntimeError):
     def __init__(self, message: str, error_id: str) -> None:
         super().__init__(message)
         self.error_id = error_id
+
+
+class ServerBusyError(IngotError):
+    """A server-wide limit is reached for now (not the request's fault): HTTP 503 with
+    ``Retry-After: retry_after_s`` seconds, before any stream starts. The same request may
+    succeed later (the waiting queue, the grammar compile queue)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        # Across a process boundary (a data-parallel replica's answer) only the message
+        # travels: the front end's 503 then says 1 s.
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

@@ -21,6 +21,17 @@ class SamplingType(IntEnum):
     RANDOM_SEED = 2
 
 
+class RequestOutputKind(IntEnum):
+    """What each ``RequestOutput`` of a request carries (vLLM's enum). CUMULATIVE: everything
+    so far, every step (O(T) per step); DELTA: only what is new since the last output (the
+    server's streams); FINAL_ONLY: one output, when the request finishes (``LLM`` and the
+    server's whole responses)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 # The constraint kinds of StructuredOutputsParams; a request sets exactly one of them.
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
@@ -148,6 +159,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine from the model's generation config, not by users.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -220,6 +232,8 @@ class SamplingParams:
             # min_tokens masks EOS, the grammar may allow nothing else: no token would be left.
             raise ValueError("min_tokens cannot be combined with structured_outputs: the "
                              "grammar decides where the output ends; drop min_tokens")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", self.output_kind, "a RequestOutputKind")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True; use stop_token_ids instead.")
 

@@ -1,5 +1,6 @@
 """EngineMetrics: label strings, histogram edges, children at zero before traffic, and what one
-step's outputs add (driven with a stand-in engine: the metrics read only a few attributes)."""
+step adds (driven with a stand-in engine: the metrics read only a few attributes; the step's
+request stats come from the real OutputProcessor fed the core's outputs)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ingot.buckets import BucketGrid, BucketStats
 from ingot.core.kv_cache_manager import BlockPool, PrefixCacheStats
-from ingot.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from ingot.core.outputs import EngineCoreOutput
+from ingot.core.request import RequestStatus
+from ingot.engine.output_processor import OutputProcessor
+from ingot.engine.outputs import IterationStats
 from ingot.metrics.prometheus import (
     SEQS_PADDING_BUCKETS,
     TOKENS_PADDING_BUCKETS,
@@ -19,6 +23,7 @@ from ingot.metrics.prometheus import (
     decode_label,
     prefill_label,
 )
+from ingot.sampling_params import RequestOutputKind, SamplingParams
 
 
 def _stats(ctx: list[int] | None = None) -> BucketStats:
@@ -58,15 +63,21 @@ def _engine(
     return SimpleNamespace(get_stats=get_stats)
 
 
-def _out(rid: str, prompt_len: int, tokens: list[list[int]], reasons: list[str | None],
-         arrival: float = 1.0) -> RequestOutput:
-    return RequestOutput(
-        request_id=rid, prompt=None, prompt_token_ids=list(range(prompt_len)), prompt_logprobs=None,
-        outputs=[CompletionOutput(i, "", t, None, None, r)
-                 for i, (t, r) in enumerate(zip(tokens, reasons, strict=True))],
-        finished=all(r is not None for r in reasons),
-        metrics=RequestMetrics(arrival_time=arrival, first_scheduled_time=arrival + 0.5),
-    )
+class _Front:
+    """The real OutputProcessor: requests added, then fed the core's outputs step by step;
+    each step's IterationStats are what the server hands record_step."""
+
+    def __init__(self, kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
+        self.proc = OutputProcessor(None, set())
+        self.kind = kind
+
+    def add(self, rid: str, prompt_len: int, n: int = 1, arrival: float = 1.0) -> None:
+        params = SamplingParams(n=n, max_tokens=100, detokenize=False, output_kind=self.kind)
+        prompt = list(range(prompt_len))
+        self.proc.add_request(rid, None, prompt, self.proc.fan_out(rid, prompt, params, arrival))
+
+    def step(self, *outs: EngineCoreOutput) -> IterationStats:
+        return self.proc.process_outputs(list(outs)).stats
 
 
 def test_label_strings():
@@ -122,14 +133,18 @@ def test_context_bucket_children_and_counting():
             key = ("ingot:bucket_execution_count_total", (("bucket_name", f"decode_b{b}_ctx{ctx}"),))
             assert s[key] == 0
     stats.record_decode(4, 3, 256)
-    m.record_step(_engine(stats, BlockPool(10)), [], 0.01)
+    m.record_step(_engine(stats, BlockPool(10)), IterationStats(), 0.01)
     s = _samples(m)
     assert s[("ingot:bucket_execution_count_total", (("bucket_name", "decode_b4_ctx256"),))] == 1
     assert s[("ingot:bucket_execution_count_total", (("bucket_name", "decode_b4_ctx128"),))] == 0
     assert s[("ingot:num_seqs_padding_sum", (("bucket_name", "decode_b4"),))] == 1
 
 
-def test_step_outputs_move_counters_once():
+@pytest.mark.parametrize("kind", list(RequestOutputKind), ids=lambda k: k.name)
+def test_step_outputs_move_counters_once(kind):
+    """The same counts whatever the output kind (the stats come from the core's outputs)."""
+    front = _Front(kind)
+    front.add("a", 20)
     stats = _stats()
     pool = BlockPool(11)
     m = EngineMetrics("m", CollectorRegistry())
@@ -140,13 +155,15 @@ def test_step_outputs_move_counters_once():
     # Step 1: a prefill of 20 tokens padded to 128 gives the first token.
     stats.record_prefill(128, 20)
     held = pool.allocate(3)
-    m.record_step(_engine(stats, pool, running=1), [_out("a", 20, [[7]], [None])], 0.01)
+    m.record_step(_engine(stats, pool, running=1),
+                  front.step(EngineCoreOutput("a", [7], first_scheduled_time=1.5)), 0.01)
     # Step 2 and 3: decodes in a batch bucket of 2 with one real row; then it finishes.
     stats.record_decode(2, 1, None)
-    m.record_step(_engine(stats, pool, running=1), [_out("a", 20, [[7, 8]], [None])], 0.01)
+    m.record_step(_engine(stats, pool, running=1), front.step(EngineCoreOutput("a", [8])), 0.01)
     stats.record_decode(2, 1, None)
     pool.free(held)
-    m.record_step(_engine(stats, pool), [_out("a", 20, [[7, 8, 9]], ["length"])], 0.01)
+    m.record_step(_engine(stats, pool), front.step(
+        EngineCoreOutput("a", [9], finish_status=RequestStatus.FINISHED_LENGTH)), 0.01)
     s = _samples(m)
     assert s[("ingot:prompt_tokens_total", ())] == 20  # counted once, not per step
     assert s[("ingot:generation_tokens_total", ())] == 3
@@ -168,9 +185,15 @@ def test_n2_finish_and_abort_count_per_sequence():
     pool = BlockPool(11)
     m = EngineMetrics("m", CollectorRegistry())
     m.init_buckets(stats)
-    m.record_step(_engine(stats, pool), [_out("b", 4, [[1, 2], [3]], ["stop", "length"])], 0.01)
+    front = _Front()
+    front.add("b", 4, n=2)
+    front.add("c", 4, n=2)
+    m.record_step(_engine(stats, pool), front.step(
+        EngineCoreOutput("0_b", [1, 2], finish_status=RequestStatus.FINISHED_STOPPED),
+        EngineCoreOutput("1_b", [3], finish_status=RequestStatus.FINISHED_LENGTH)), 0.01)
     held = pool.allocate(4)
-    m.record_step(_engine(stats, pool, running=2), [_out("c", 4, [[1], [2]], [None, None])], 0.01)
+    m.record_step(_engine(stats, pool, running=2),
+                  front.step(EngineCoreOutput("0_c", [1]), EngineCoreOutput("1_c", [2])), 0.01)
     assert _samples(m)[("ingot:kv_cache_free_blocks", ())] == 6
     pool.free(held)  # the engine freed the aborted request's blocks: the gauge follows at once
     m.record_abort(_engine(stats, pool), "c", num_seqs=2)

@@ -1,11 +1,14 @@
 """AsyncLLM: the engine's step loop on a background thread, an asyncio front end.
 
 The engine (scheduler, runner, detokenizer) is only ever touched by its own thread. The asyncio
-side sends it commands (add, abort) through a queue and each request receives its outputs on
-its own asyncio queue. A thread rather than a process: torch releases the GIL inside its ops, the
-loop's Python work per step is small, and outputs need no serialisation. If a step raises, every
-pending request gets the error and the engine reports itself dead (the health check fails);
-nothing hangs. It is the server's ``EngineClient`` (engine/protocol.py).
+side sends it commands (add, abort) through a queue and each request receives its outputs in
+its own ``OutputSlot``: one pending output, into which newer ones merge (deltas concatenate,
+cumulative and final outputs replace), so a consumer that falls behind holds at most the
+output it has not read, never a queue of copies. A thread rather than a process: torch
+releases the GIL inside its ops, the loop's Python work per step is small, and outputs need no
+serialisation. If a step raises, every pending request gets the error and the engine reports
+itself dead (the health check fails); nothing hangs. It is the server's ``EngineClient``
+(engine/protocol.py).
 """
 
 from __future__ import annotations
@@ -22,19 +25,51 @@ from typing import Any
 from ingot.config import ModelConfig
 from ingot.engine.arg_utils import EngineArgs
 from ingot.engine.llm_engine import LLMEngine
-from ingot.engine.outputs import PoolingRequestOutput, RequestOutput, request_error
+from ingot.engine.outputs import (
+    IterationStats,
+    PoolingRequestOutput,
+    RequestOutput,
+    request_error,
+)
 from ingot.engine.processor import InputProcessor, PromptType
 from ingot.engine.protocol import EngineDeadError
 from ingot.pooling_params import PoolingParams
-from ingot.sampling_params import SamplingParams
+from ingot.sampling_params import RequestOutputKind, SamplingParams
 from ingot.structured_output.manager import compile_timeout_message
 
 logger = logging.getLogger("ingot")
 
-# Called on the engine thread after every step: (engine, the step's outputs, step seconds).
-StepCallback = Callable[[LLMEngine, list[RequestOutput], float], None]
+# Called on the engine thread after every step: (engine, the step's stats, step seconds).
+StepCallback = Callable[[LLMEngine, IterationStats, float], None]
 # Called on the engine thread after an abort freed a request: (engine, request id, sequences).
 AbortCallback = Callable[[LLMEngine, str, int], None]
+
+
+class OutputSlot:
+    """Where one request's outputs wait for its consumer (on the consumer's event loop): at
+    most one pending item. A newer DELTA output merges into the pending one; a cumulative or
+    final output replaces it; an error replaces everything (it ends the stream)."""
+
+    def __init__(self, delta: bool) -> None:
+        self.delta = delta
+        self._item: Any = None  # RequestOutput | PoolingRequestOutput | BaseException | None
+        self._ready = asyncio.Event()
+
+    def put(self, item: Any) -> None:
+        pending = self._item
+        if isinstance(pending, BaseException):
+            pass  # the stream ends with its error
+        elif self.delta and isinstance(pending, RequestOutput) and isinstance(item, RequestOutput):
+            pending.add(item)
+        else:
+            self._item = item
+        self._ready.set()
+
+    async def get(self) -> Any:
+        await self._ready.wait()
+        item, self._item = self._item, None
+        self._ready.clear()
+        return item
 
 
 class AsyncLLM:
@@ -51,7 +86,7 @@ class AsyncLLM:
             queue.SimpleQueue()
         )
         self._wakeup = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, OutputSlot]] = {}
         # Guards _streams and the dead/stopped transition: a command or stream registered
         # while the engine dies must either be failed by the loop or see the error itself.
         self._lock = threading.Lock()
@@ -103,9 +138,9 @@ class AsyncLLM:
         with self._lock:
             stream = self._streams.get(request_id)
         if stream is not None:
-            loop, q = stream
+            loop, slot = stream
             try:
-                loop.call_soon_threadsafe(q.put_nowait, item)
+                loop.call_soon_threadsafe(slot.put, item)
             except RuntimeError:  # the front end's loop is closed: nobody is listening
                 pass
 
@@ -124,7 +159,7 @@ class AsyncLLM:
                 elapsed = time.perf_counter() - start
                 if self._on_step is not None:
                     try:
-                        self._on_step(engine, outputs, elapsed)
+                        self._on_step(engine, engine.iteration_stats, elapsed)
                     except Exception:  # metrics must never take the engine down
                         logger.exception("stat logging failed")
                 for out in outputs:
@@ -170,8 +205,10 @@ class AsyncLLM:
     def generate(
         self, prompt: PromptType, params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
-        """Yields cumulative RequestOutputs; the last one has ``finished=True``. Leaving the
-        iteration early (client gone, task cancelled) aborts the request at once."""
+        """Yields RequestOutputs of ``params.output_kind`` (what the consumer has not read yet
+        merged into one: with DELTA, each is everything new since the last one yielded); the
+        last one has ``finished=True``. Leaving the iteration early (client gone, task
+        cancelled) aborts the request at once."""
         return self._stream(prompt, params, request_id)
 
     def encode(
@@ -183,23 +220,18 @@ class AsyncLLM:
     async def _stream(
         self, prompt: PromptType, params: SamplingParams | PoolingParams, request_id: str
     ) -> AsyncIterator[Any]:
-        q: asyncio.Queue = asyncio.Queue()
+        slot = OutputSlot(getattr(params, "output_kind", None) is RequestOutputKind.DELTA)
         with self._lock:
             if self._stopped or self.dead_error is not None:
                 raise self.dead()
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            self._streams[request_id] = (asyncio.get_running_loop(), q)
+            self._streams[request_id] = (asyncio.get_running_loop(), slot)
         finished = False
         try:
             await self.call(lambda: self.engine.add_request(request_id, prompt, params))
             while True:
-                item = await q.get()
-                # Outputs are cumulative: when several are queued only the newest matters.
-                while not q.empty() and not isinstance(item, BaseException):
-                    if item.finished:
-                        break
-                    item = q.get_nowait()
+                item = await slot.get()
                 if isinstance(item, BaseException):
                     finished = True  # nothing left to abort
                     raise item
@@ -233,17 +265,33 @@ class AsyncLLM:
         """Compile the constraint before a response starts, so an invalid one is the caller's
         ``ValueError``. The compile is submitted on the engine thread (which owns the
         compiled-grammar cache) and runs on a compile pool; only this caller awaits it, so the
-        engine keeps stepping. The request then finds its grammar cached."""
+        engine keeps stepping. The request then finds its grammar cached. The wait (for a
+        pool thread included) counts against ``compile_timeout_s``; a new grammar past a full
+        compile queue is a ``ServerBusyError`` (503)."""
         constraint = params.structured_outputs
         if constraint is None:
             return
-        future = await self.call(lambda: self.engine.submit_structured_output(params))
         timeout = self.engine.config.structured_outputs.compile_timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout  # the wait for the engine thread counts too
+        future = await self.call(lambda: self.engine.submit_structured_output(params))
         try:
             # Shielded: a timeout must not cancel a compile other requests may share.
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)),
+                                   max(deadline - loop.time(), 0))
         except TimeoutError:
             raise ValueError(compile_timeout_message(constraint.kind, timeout)) from None
+        finally:
+            if not future.done() and self.is_running:
+                # Timed out, or the client left: a compile nobody else waits for leaves the
+                # queue. Shielded, as the abort in _stream: it runs while being cancelled.
+                await asyncio.shield(self._release(params, future))
+
+    async def _release(self, params: SamplingParams, future: concurrent.futures.Future) -> None:
+        try:
+            await self.call(lambda: self.engine.release_structured_output(params, future))
+        except EngineDeadError:
+            pass
 
     async def start_profile(self) -> None:
         await self.call(self.engine.start_profile)

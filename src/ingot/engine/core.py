@@ -94,10 +94,17 @@ class EngineCore:
     def submit_structured_output(self, params: SamplingParams) -> Future | None:
         """Start compiling ``params``' constraint (then cached) without waiting: the server
         awaits the future before a stream starts, so a bad schema is a 400 rather than an
-        error event. None without a constraint."""
+        error event (and a full compile queue a 503). None without a constraint."""
         if params.structured_outputs is None:
             return None
-        return self.structured_output.submit(params.structured_outputs)
+        # The server's admission: a new grammar past a full compile queue is refused (503).
+        return self.structured_output.submit(params.structured_outputs, admit=True)
+
+    def release_structured_output(self, params: SamplingParams, future: Future) -> None:
+        """The server stopped waiting for ``future``: if no request waits for that compile
+        either and it has not started, it leaves the queue."""
+        if params.structured_outputs is not None:
+            self.structured_output.release(params.structured_outputs, future)
 
     def finish_requests(self, request_ids: Sequence[str], status: RequestStatus) -> None:
         """Abort (or, for a stop string the front end found, stop) requests; frees blocks."""

@@ -219,6 +219,9 @@ class DPEngineCoreClient:
         self._compiles[call_id] = future
         return future
 
+    def release_structured_output(self, params: SamplingParams, future: Future) -> None:
+        """Nothing to do: the replica's compile is not withdrawn (its answer is dropped)."""
+
     def finish_requests(self, request_ids: Sequence[str], status: RequestStatus) -> None:
         by_rank: dict[int, list[str]] = {}
         for rid in request_ids:

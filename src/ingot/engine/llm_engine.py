@@ -20,7 +20,7 @@ from ingot.engine.core import EngineCore
 from ingot.engine.core_client import EngineCoreClient
 from ingot.engine.dp_client import DPEngineCoreClient
 from ingot.engine.output_processor import OutputProcessor
-from ingot.engine.outputs import PoolingRequestOutput, RequestOutput
+from ingot.engine.outputs import IterationStats, PoolingRequestOutput, RequestOutput
 from ingot.engine.processor import InputProcessor, PromptType
 from ingot.engine.tokenizer import load_tokenizer
 from ingot.pooling_params import PoolingParams
@@ -40,6 +40,8 @@ class LLMEngine:
             else EngineCore(config, self.tokenizer))
         self.output_processor = OutputProcessor(self.tokenizer, self.processor.eos_token_ids)
         self._ids = itertools.count()
+        #: What the latest ``step`` did for users' requests (the metrics read it).
+        self.iteration_stats = IterationStats()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -109,6 +111,12 @@ class LLMEngine:
         check before a response starts); None without a constraint."""
         return self.engine_core.submit_structured_output(params)
 
+    def release_structured_output(self, params: SamplingParams, future: Future) -> None:
+        """The caller of ``submit_structured_output`` stops waiting for ``future`` before it
+        is done (it timed out, or its client left): a compile nobody waits for any more
+        leaves the compile queue if it has not started."""
+        self.engine_core.release_structured_output(params, future)
+
     def abort_request(self, request_ids: str | list[str]) -> dict[str, int]:
         """Abort the user requests still running among ``request_ids``; returns each one's
         number of sequences (its ``n``)."""
@@ -132,7 +140,11 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
+        """One engine step: the outputs of the requests it advanced, each shaped by its
+        ``output_kind`` (FINAL_ONLY requests appear once, finished); the step's stats are
+        then ``iteration_stats``."""
         processed = self.output_processor.process_outputs(self.engine_core.step())
+        self.iteration_stats = processed.stats
         if processed.to_stop:
             self.engine_core.finish_requests(processed.to_stop, RequestStatus.FINISHED_STOPPED)
         if processed.to_abort:

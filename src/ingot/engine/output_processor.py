@@ -1,7 +1,10 @@
 """Outputs out (vLLM's ``OutputProcessor``): what users see of each request, built from the
 core's per-step ``EngineCoreOutput``s: detokenized text, stop strings, logprob dicts, timings,
 and the ``n > 1`` fan-out (one user request, n child requests in the core) aggregated back
-into one ``RequestOutput``.
+into one ``RequestOutput``, shaped by the request's ``output_kind``: everything so far
+(CUMULATIVE), only what is new (DELTA: the server's streams; a step costs O(new tokens), not
+O(all tokens)), or one output at the end (FINAL_ONLY). Each step's ``IterationStats`` (the
+metrics' source) are the same whatever the kind.
 
 It never calls the core: what the core must hear of (a stop string ended a child, a failed
 child's siblings must stop) is returned, and ``LLMEngine`` tells the core.
@@ -18,6 +21,7 @@ from ingot.core.request import RequestStatus
 from ingot.engine.detokenizer import IncrementalDetokenizer
 from ingot.engine.outputs import (
     CompletionOutput,
+    IterationStats,
     Logprob,
     PoolingOutput,
     PoolingRequestOutput,
@@ -27,7 +31,7 @@ from ingot.engine.outputs import (
     SampleLogprobs,
 )
 from ingot.pooling_params import PoolingParams
-from ingot.sampling_params import SamplingParams
+from ingot.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass
@@ -49,6 +53,10 @@ class RequestState:
     pooled: list[float] | None = None  # a pooling request's output
     error: str | None = None  # the core failed it (a constraint that did not compile)
     error_id: str | None = None  # ... through no fault of its own (EngineCoreOutput)
+    # DELTA outputs: how much of output_token_ids / prompt_logprobs was sent (sent logprobs
+    # are dropped: ``logprobs`` then holds the unsent ones only).
+    num_sent_tokens: int = 0
+    num_sent_prompt_logprobs: int = 0
 
     @property
     def is_finished(self) -> bool:
@@ -63,6 +71,8 @@ class ParentRequest:
     children: list[str]
     prompt: str | None
     prompt_token_ids: list[int]
+    output_kind: RequestOutputKind
+    last_token_time: float | None = None  # when its latest tokens came (None: none yet)
 
 
 @dataclass
@@ -72,6 +82,7 @@ class ProcessedOutputs:
     outputs: list[RequestOutput | PoolingRequestOutput]
     to_stop: list[str]  # a stop string ended them; the core still runs them
     to_abort: list[str]  # a sibling failed (same constraint): they stop too
+    stats: IterationStats
 
 
 class OutputProcessor:
@@ -154,8 +165,12 @@ class OutputProcessor:
         children: list[RequestState],
     ) -> None:
         """Track a user request and its children (``fan_out``, or one ``pooling_state``)."""
+        params = children[0].params
+        # A pooling request has one output, when it finishes.
+        kind = (params.output_kind if isinstance(params, SamplingParams)
+                else RequestOutputKind.FINAL_ONLY)
         self.parents[request_id] = ParentRequest(
-            request_id, [c.request_id for c in children], prompt, prompt_token_ids)
+            request_id, [c.request_id for c in children], prompt, prompt_token_ids, kind)
         for child in children:
             self.requests[child.request_id] = child
             self._child_to_parent[child.request_id] = request_id
@@ -188,21 +203,54 @@ class OutputProcessor:
 
     def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         """Apply one step's core outputs: the user requests whose outputs changed, each as
-        one output (finished ones are forgotten), and the children the core must finish."""
-        touched, to_stop, to_abort = self._apply(core_outputs)
+        one output of its kind (FINAL_ONLY ones only once finished; finished ones are
+        forgotten), the children the core must finish, and the step's stats."""
+        now = time.time()
+        touched, to_stop, to_abort, new_tokens = self._apply(core_outputs, now)
+        stats = IterationStats()
         outputs: list[RequestOutput | PoolingRequestOutput] = []
         for parent_id in sorted(touched, key=lambda p: self.parents[p].children[0]):
-            out = self._make_output(parent_id)
-            outputs.append(out)
-            if out.finished:
+            parent = self.parents[parent_id]
+            children = [self.requests[c] for c in parent.children]
+            finished = all(c.is_finished for c in children)
+            self._record(stats, parent, children, new_tokens.get(parent_id, 0), finished, now)
+            if finished or parent.output_kind is not RequestOutputKind.FINAL_ONLY:
+                outputs.append(self._make_output(parent, children, finished))
+            if finished:
                 self._release(parent_id)
-        return ProcessedOutputs(outputs, to_stop, to_abort)
+        return ProcessedOutputs(outputs, to_stop, to_abort, stats)
 
-    def _apply(self, core_outputs: list[EngineCoreOutput]) -> tuple[set[str], list[str], list[str]]:
+    @staticmethod
+    def _record(stats: IterationStats, parent: ParentRequest, children: list[RequestState],
+                new_tokens: int, finished: bool, now: float) -> None:
+        """Add one user request's step to the step's stats."""
+        metrics = children[0].metrics
+        if new_tokens:
+            stats.num_generation_tokens += new_tokens
+            if parent.last_token_time is None:  # its first tokens
+                stats.num_prompt_tokens += len(parent.prompt_token_ids)
+                stats.time_to_first_tokens.append(now - metrics.arrival_time)
+                if metrics.first_scheduled_time is not None:
+                    stats.queue_times.append(metrics.first_scheduled_time - metrics.arrival_time)
+            else:
+                stats.inter_token_latencies.append(now - parent.last_token_time)
+            parent.last_token_time = now
+        if not finished:
+            return
+        if isinstance(children[0].params, PoolingParams):
+            stats.num_prompt_tokens += len(parent.prompt_token_ids)
+            stats.finish_reasons.append("stop")
+        else:
+            stats.finish_reasons.extend(c.finish_reason or "unknown" for c in children)
+        stats.e2e_latencies.append(now - metrics.arrival_time)
+
+    def _apply(
+        self, core_outputs: list[EngineCoreOutput], now: float
+    ) -> tuple[set[str], list[str], list[str], dict[str, int]]:
         """(the parents whose outputs changed, children a stop string ended, children to
-        abort)."""
+        abort, each parent's new tokens)."""
         touched: set[str] = set()
-        now = time.time()
+        new_tokens: dict[str, int] = {}
         stopped: list[str] = []
         failed: list[str] = []
         for out in core_outputs:
@@ -237,6 +285,7 @@ class OutputProcessor:
                 continue
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
+            new_tokens[parent] = new_tokens.get(parent, 0) + len(out.new_token_ids)
             state.output_token_ids.extend(out.new_token_ids)
             for lp in out.new_logprobs:
                 assert state.logprobs is not None and state.cumulative_logprob is not None
@@ -263,43 +312,58 @@ class OutputProcessor:
             for child in rest:
                 self.requests[child].finish_reason = RequestStatus.FINISHED_ABORTED.value
             aborted.extend(rest)
-        return touched, stopped, aborted
+        return touched, stopped, aborted, new_tokens
 
-    def _completion(self, index: int, request: RequestState) -> CompletionOutput:
+    @staticmethod
+    def _completion(index: int, request: RequestState, delta: bool) -> CompletionOutput:
         finished = request.is_finished
         text = ""
         if request.detokenizer is not None:
-            text = request.detokenizer.get_next_output_text(finished, delta=False)
+            text = request.detokenizer.get_next_output_text(finished, delta=delta)
+        token_ids, logprobs = request.output_token_ids, request.logprobs
+        if delta:  # only what was not sent yet: the step's cost is the new tokens'
+            start = request.num_sent_tokens
+            request.num_sent_tokens = len(token_ids)
+            token_ids = token_ids[start:]
+            if logprobs is not None:
+                # Sent logprobs are not kept (the largest part of a long stream's state).
+                request.logprobs = []
+        else:
+            token_ids = list(token_ids)
         return CompletionOutput(
             index=index,
             text=text,
-            token_ids=list(request.output_token_ids),
+            token_ids=token_ids,
             cumulative_logprob=request.cumulative_logprob,
-            logprobs=request.logprobs,
+            logprobs=logprobs,
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
         )
 
-    def _make_output(self, parent_id: str) -> RequestOutput | PoolingRequestOutput:
-        parent = self.parents[parent_id]
-        children = [self.requests[c] for c in parent.children]
+    def _make_output(self, parent: ParentRequest, children: list[RequestState],
+                     finished: bool) -> RequestOutput | PoolingRequestOutput:
         if isinstance(children[0].params, PoolingParams):
             state = children[0]
             return PoolingRequestOutput(
-                request_id=parent_id, prompt=parent.prompt,
+                request_id=parent.request_id, prompt=parent.prompt,
                 prompt_token_ids=parent.prompt_token_ids,
                 outputs=PoolingOutput(list(state.pooled or [])), finished=state.is_finished,
                 metrics=state.metrics, error=state.error, error_id=state.error_id,
             )
-        finished = all(c.is_finished for c in children)
         first = children[0]
         failed = next((c for c in children if c.error is not None), None)
+        delta = parent.output_kind is RequestOutputKind.DELTA
+        prompt_logprobs = first.prompt_logprobs
+        if delta and prompt_logprobs is not None:
+            start = first.num_sent_prompt_logprobs
+            first.num_sent_prompt_logprobs = len(prompt_logprobs)
+            prompt_logprobs = prompt_logprobs[start:]
         return RequestOutput(
-            request_id=parent_id,
+            request_id=parent.request_id,
             prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids,
-            prompt_logprobs=first.prompt_logprobs,
-            outputs=[self._completion(i, c) for i, c in enumerate(children)],
+            prompt_logprobs=prompt_logprobs,
+            outputs=[self._completion(i, c, delta) for i, c in enumerate(children)],
             finished=finished,
             metrics=first.metrics,
             num_cached_tokens=first.num_cached_tokens,

@@ -58,6 +58,45 @@ class RequestOutput:
     # ... and this when the failure was the engine's (``request_error``: a 500 on the server).
     error_id: str | None = None
 
+    def add(self, newer: RequestOutput) -> None:
+        """Merge a later DELTA output of the same request into this one (its consumer fell
+        behind): texts, token ids and logprobs concatenate, the rest is the newer's. So a slow
+        consumer holds one pending output, the size of what it has not read."""
+        mine = {c.index: c for c in self.outputs}
+        for c in newer.outputs:
+            old = mine.get(c.index)
+            if old is None:
+                self.outputs.append(c)
+                continue
+            old.text += c.text
+            old.token_ids.extend(c.token_ids)
+            if old.logprobs is not None and c.logprobs is not None:
+                old.logprobs.extend(c.logprobs)
+            old.cumulative_logprob = c.cumulative_logprob
+            old.finish_reason, old.stop_reason = c.finish_reason, c.stop_reason
+        if newer.prompt_logprobs:
+            self.prompt_logprobs = (self.prompt_logprobs or []) + newer.prompt_logprobs
+        self.finished = newer.finished
+        self.metrics = newer.metrics
+        self.num_cached_tokens = newer.num_cached_tokens
+        if newer.error is not None:
+            self.error, self.error_id = newer.error, newer.error_id
+
+
+@dataclass
+class IterationStats:
+    """What one engine step did for users' requests (vLLM's ``IterationStats``): the metrics'
+    source, the same whatever output kind (cumulative, delta, final only) each request asked
+    for. Times in seconds."""
+
+    num_prompt_tokens: int = 0  # of the requests whose first token (or pooled output) came now
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    queue_times: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)  # per request with tokens
+    finish_reasons: list[str] = field(default_factory=list)  # one per finished sequence
+    e2e_latencies: list[float] = field(default_factory=list)  # one per finished request
+
 
 @dataclass
 class PoolingOutput:

@@ -51,8 +51,9 @@ class EngineClient(Protocol):
     def generate(
         self, prompt: PromptType, params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs; the last one has ``finished=True``. Leaving the iteration early
-        aborts the request."""
+        """Outputs of ``params.output_kind`` (DELTA: each holds what is new since the last
+        one read); the last one has ``finished=True``. Leaving the iteration early aborts the
+        request."""
         ...
 
     def encode(
@@ -66,7 +67,8 @@ class EngineClient(Protocol):
     async def check_structured_output(self, params: SamplingParams) -> None:
         """Compile ``params``' constraint (then cached for the request) without holding the
         engine; ``ValueError`` if it is invalid or does not compile within
-        ``compile_timeout_s``."""
+        ``compile_timeout_s`` (its wait for a pool thread included); ``ServerBusyError`` when
+        the compile queue is full."""
         ...
 
     async def start_profile(self) -> None: ...

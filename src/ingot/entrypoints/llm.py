@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,7 +23,7 @@ from ingot.engine.outputs import (
 from ingot.engine.processor import PromptType
 from ingot.engine.tokenizer import apply_chat_template
 from ingot.pooling_params import PoolingParams
-from ingot.sampling_params import SamplingParams
+from ingot.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -73,6 +74,10 @@ class LLM:
         ids: list[str] = []
         try:
             for prompt, params in zip(prompt_list, params_list, strict=True):
+                # Only the final outputs are returned: the engine builds nothing before (as
+                # vLLM's LLM); a copy, so the caller's params are left as given.
+                params = copy.copy(params)
+                params.output_kind = RequestOutputKind.FINAL_ONLY
                 ids.append(engine.add_request(None, prompt, params))
         except Exception:
             engine.abort_request(ids)

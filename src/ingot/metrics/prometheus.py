@@ -7,15 +7,13 @@ multiprocess mode is needed. Every bucket's label children are created at zero a
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ingot.buckets import BucketCounter, BucketStats
 from ingot.engine.llm_engine import LLMEngine
-from ingot.engine.outputs import PoolingRequestOutput, RequestOutput
+from ingot.engine.outputs import IterationStats
 
 PREFIX = "ingot:"
 METRICS_NAME_PREFIXES = ("ingot", "vllm")
@@ -53,15 +51,6 @@ def prefill_label(bucket: int) -> str:
 
 def decode_label(bucket: int, ctx: int | None = None) -> str:
     return f"decode_b{bucket}" if ctx is None else f"decode_b{bucket}_ctx{ctx}"
-
-
-@dataclass
-class _Seen:
-    """What was already counted of a request (outputs are cumulative)."""
-
-    num_tokens: int = 0
-    last_token_time: float | None = None
-    prompt_counted: bool = False
 
 
 class EngineMetrics:
@@ -188,7 +177,6 @@ class EngineMetrics:
             self.labels(metric)
         for reason in FINISH_REASONS:
             self.request_success.labels(model_name=model_name, finished_reason=reason)
-        self._seen: dict[str, _Seen] = {}
         self._last_buckets: dict[tuple[str, int], BucketCounter] = {}
         self._last_ctx: dict[int, int] = {}
         self._ctx_labels = False
@@ -277,22 +265,12 @@ class EngineMetrics:
             counter.labels(model_name=self.model_name, **labels).inc(total - seen)
             self._totals_seen[key] = total
 
-    def _record_pooling(self, out: PoolingRequestOutput, now: float) -> None:
-        """A pooling request reports once, finished: its prompt tokens, success, latency."""
-        if not out.finished:
-            return
-        self.labels(self.prompt_tokens).inc(len(out.prompt_token_ids))
-        self.request_success.labels(model_name=self.model_name, finished_reason="stop").inc()
-        if out.metrics is not None:
-            self.labels(self.e2e).observe(now - out.metrics.arrival_time)
-
     def record_abort(self, engine: LLMEngine, request_id: str, num_seqs: int = 1) -> None:
         """An aborted request: one ``abort`` finish per sequence (as finished requests count one
         per choice), and the gauges at once, since an abort frees blocks without a step."""
         self.request_success.labels(model_name=self.model_name, finished_reason="abort").inc(
             num_seqs
         )
-        self._seen.pop(request_id, None)
         self.record_gauges(engine)
 
     def _record_buckets(self, stats: BucketStats) -> None:
@@ -315,40 +293,21 @@ class EngineMetrics:
                 self.executions.labels(model_name=self.model_name, bucket_name=label).inc(runs)
         self._snapshot(stats)
 
-    def record_step(
-        self, engine: LLMEngine, outputs: list[RequestOutput | PoolingRequestOutput], step_s: float
-    ) -> None:
-        now = time.time()
-        stats = engine.get_stats()
-        self._record_gauges(stats)
-        self._record_buckets(stats["buckets"])
-        for out in outputs:
-            if isinstance(out, PoolingRequestOutput):
-                self._record_pooling(out, now)
-                continue
-            seen = self._seen.setdefault(out.request_id, _Seen())
-            metrics = out.metrics
-            if not seen.prompt_counted and any(c.token_ids for c in out.outputs):
-                seen.prompt_counted = True
-                self.labels(self.prompt_tokens).inc(len(out.prompt_token_ids))
-                if metrics is not None:
-                    self.labels(self.ttft).observe(now - metrics.arrival_time)
-                    if metrics.first_scheduled_time is not None:
-                        self.labels(self.queue_time).observe(
-                            metrics.first_scheduled_time - metrics.arrival_time
-                        )
-            total = sum(len(c.token_ids) for c in out.outputs)
-            if total > seen.num_tokens:
-                self.labels(self.generation_tokens).inc(total - seen.num_tokens)
-                if seen.last_token_time is not None:
-                    self.labels(self.itl).observe(now - seen.last_token_time)
-                seen.last_token_time = now
-                seen.num_tokens = total
-            if out.finished:
-                for c in out.outputs:
-                    self.request_success.labels(
-                        model_name=self.model_name, finished_reason=c.finish_reason or "unknown"
-                    ).inc()
-                if metrics is not None:
-                    self.labels(self.e2e).observe(now - metrics.arrival_time)
-                self._seen.pop(out.request_id, None)
+    def record_step(self, engine: LLMEngine, stats: IterationStats, step_s: float) -> None:
+        """One engine step: the gauges, bucket counters and the step's request stats
+        (``LLMEngine.iteration_stats``, the same whatever output kind requests asked for)."""
+        engine_stats = engine.get_stats()
+        self._record_gauges(engine_stats)
+        self._record_buckets(engine_stats["buckets"])
+        if stats.num_prompt_tokens:
+            self.labels(self.prompt_tokens).inc(stats.num_prompt_tokens)
+        if stats.num_generation_tokens:
+            self.labels(self.generation_tokens).inc(stats.num_generation_tokens)
+        for histogram, values in ((self.ttft, stats.time_to_first_tokens),
+                                  (self.queue_time, stats.queue_times),
+                                  (self.itl, stats.inter_token_latencies),
+                                  (self.e2e, stats.e2e_latencies)):
+            for value in values:
+                self.labels(histogram).observe(value)
+        for reason in stats.finish_reasons:
+            self.request_success.labels(model_name=self.model_name, finished_reason=reason).inc()

@@ -5,6 +5,12 @@ Owned by the engine core (``EngineCore``) and driven by the scheduler, which own
   spec text and options; a grammar already compiled or compiling is shared) and, unless it is
   ready at once, puts the request in ``WAITING_FOR_FSM``. The engine thread never waits on a
   compile: xgrammar releases the GIL while it compiles, so running requests keep decoding;
+- the server's check before a request is added (``submit(admit=True)``) is refused with a
+  503 (``ServerBusyError``) when a new grammar would find ``compile_threads +
+  max_queued_compiles`` compiles already pending; a compile that nobody waits for any more
+  (its requests aborted or timed out, the server's check abandoned) leaves the queue if it has
+  not started. One that has started runs to its end on its pool thread: xgrammar cannot
+  interrupt a compile;
 - ``ready`` (the scheduler asks it of a ``WAITING_FOR_FSM`` request) gives the request its
   matcher once the compile is done and moves it to ``WAITING``;
 - ``take_failed`` hands the engine core the requests whose compile failed, or ran past
@@ -26,6 +32,7 @@ import concurrent.futures
 import enum
 import json
 import logging
+import math
 import re
 import threading
 import time
@@ -34,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ingot.config import StructuredOutputsConfig
+from ingot.errors import ServerBusyError
 from ingot.sampling_params import SamplingParams, StructuredOutputsParams
 from ingot.sched_output import GrammarBitmask, ScheduledRequest
 
@@ -60,6 +68,22 @@ def compile_timeout_message(kind: str, timeout: float) -> str:
         f"the {kind} constraint did not compile within {timeout:g} s "
         "(structured_outputs_config compile_timeout_s); simplify it"
     )
+
+
+def compile_queue_full_message(pending: int) -> str:
+    """The 503 of a new grammar past a full compile queue (it names the knob)."""
+    return (
+        f"the server is compiling {pending} other grammars (compile_threads + "
+        "max_queued_compiles of --structured-outputs-config); retry later"
+    )
+
+
+@dataclass
+class _Compile:
+    """A compile submitted to the pool, shared by everyone waiting for that grammar."""
+
+    future: concurrent.futures.Future
+    waiters: int = 0  # requests and server checks holding it (see ``release``)
 
 
 @dataclass
@@ -91,7 +115,7 @@ class StructuredOutputManager:
         self._cache: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
         # Compiles submitted and not yet swept into the cache, by key (shared by every request
         # with that constraint, and by the server's check before a request is added).
-        self._inflight: dict[tuple[Any, ...], concurrent.futures.Future] = {}
+        self._inflight: dict[tuple[Any, ...], _Compile] = {}
         self._compiling: dict[str, _Compiling] = {}
         self._matchers: dict[str, Any] = {}
         # Requests still reasoning: the end marker, and the output tokens seen so far (a tail
@@ -99,6 +123,7 @@ class StructuredOutputManager:
         self._reasoning: dict[str, tuple[list[int], list[int]]] = {}
         # Compiles run here, off the engine thread. A compile that outlives its timeout keeps
         # its thread until it ends (xgrammar cannot cancel one); its requests have failed.
+        # Only compiles still queued can be withdrawn (``release``).
         self._pool = concurrent.futures.ThreadPoolExecutor(
             config.compile_threads, thread_name_prefix="ingot-grammar"
         )
@@ -113,6 +138,11 @@ class StructuredOutputManager:
     @property
     def num_compiling(self) -> int:
         return len(self._compiling)
+
+    @property
+    def num_pending_compiles(self) -> int:
+        """Compiles running or queued for a pool thread (not counting finished ones)."""
+        return sum(1 for c in self._inflight.values() if not c.future.done())
 
     def _get_compiler(self) -> Any:
         with self._compiler_lock:
@@ -176,7 +206,8 @@ class StructuredOutputManager:
     def _sweep(self) -> None:
         """Move finished compiles into the cache (failures are not cached). A compile whose
         requests were aborted or timed out still lands here, for the next request."""
-        for key, future in list(self._inflight.items()):
+        for key, entry in list(self._inflight.items()):
+            future = entry.future
             if not future.done():
                 continue
             del self._inflight[key]
@@ -186,10 +217,17 @@ class StructuredOutputManager:
             if len(self._cache) > self.config.cache_size:
                 self._cache.popitem(last=False)
 
-    def submit(self, params: StructuredOutputsParams) -> concurrent.futures.Future:
+    def submit(
+        self, params: StructuredOutputsParams, admit: bool = False
+    ) -> concurrent.futures.Future:
         """The compile of ``params``' grammar, never waited for: already done when cached,
         shared when that grammar is already compiling. Its error is the request's
-        ``ValueError``. Engine thread only (the server's pre-check runs there too)."""
+        ``ValueError``. The caller holds the compile until it is done or the caller calls
+        ``release``. ``admit`` (the server's check before a request is added): a new grammar
+        that would find ``compile_threads + max_queued_compiles`` compiles pending gets a
+        future failed with ``ServerBusyError`` (a 503) instead; requests added to the engine
+        are never refused (offline ``LLM`` batches queue). Engine thread only (the server's
+        pre-check runs there too)."""
         if self.tokenizer is None:
             raise ValueError(
                 "structured outputs need a tokenizer; the engine was started with "
@@ -204,22 +242,47 @@ class StructuredOutputManager:
             done: concurrent.futures.Future = concurrent.futures.Future()
             done.set_result(cached)
             return done
-        future = self._inflight.get(key)
-        if future is None:
-            future = self._pool.submit(self._compile_task, params)
-            self._inflight[key] = future
+        entry = self._inflight.get(key)
+        if entry is None:
+            pending = self.num_pending_compiles
+            if admit and pending >= self.config.compile_threads + self.config.max_queued_compiles:
+                refused: concurrent.futures.Future = concurrent.futures.Future()
+                # By compile_timeout_s every queued compile has run or been withdrawn.
+                refused.set_exception(ServerBusyError(
+                    compile_queue_full_message(pending),
+                    retry_after_s=math.ceil(self.config.compile_timeout_s)))
+                return refused
+            entry = _Compile(self._pool.submit(self._compile_task, params))
+            self._inflight[key] = entry
             self.num_compiles += 1
-        return future
+        entry.waiters += 1
+        return entry.future
+
+    def release(self, params: StructuredOutputsParams, future: concurrent.futures.Future) -> None:
+        """A holder of ``future`` (from ``submit``) stops waiting for it. When nobody waits
+        any more and the compile has not started, it leaves the queue (cancelled), so a
+        timed-out or abandoned request frees its place; a compile already running goes on
+        (xgrammar cannot interrupt it) and lands in the cache."""
+        key = self._key(params)
+        entry = self._inflight.get(key)
+        if entry is None or entry.future is not future:
+            return  # done and swept (or another compile of the same grammar): nothing held
+        entry.waiters -= 1
+        if entry.waiters <= 0 and future.cancel():
+            del self._inflight[key]
 
     def compile(self, params: StructuredOutputsParams) -> Any:
         """The compiled grammar for ``params``, waiting for it (benchmarks and tools; the
         engine never calls this); ``ValueError`` if it cannot compile in
         ``compile_timeout_s``."""
         timeout = self.config.compile_timeout_s
+        future = self.submit(params)
         try:
-            compiled = self.submit(params).result(timeout=timeout)
+            compiled = future.result(timeout=timeout)
         except concurrent.futures.TimeoutError as exc:
             raise ValueError(compile_timeout_message(params.kind, timeout)) from exc
+        finally:
+            self.release(params, future)
         self._sweep()
         return compiled
 
@@ -231,6 +294,7 @@ class StructuredOutputManager:
         assert params.structured_outputs is not None
         future = self.submit(params.structured_outputs)
         if future.done() and _failure(future) is None:
+            self.release(params.structured_outputs, future)
             self._start(request_id, params, future.result())
             return True
         self._compiling[request_id] = _Compiling(
@@ -246,9 +310,17 @@ class StructuredOutputManager:
             return True
         if not entry.future.done() or _failure(entry.future) is not None:
             return False
-        del self._compiling[request_id]
+        self._forget(request_id)
         self._start(request_id, entry.params, entry.future.result())
         return True
+
+    def _forget(self, request_id: str) -> None:
+        """The request no longer waits for its compile (it has its grammar, failed, or is
+        gone): it stops holding that compile."""
+        entry = self._compiling.pop(request_id, None)
+        if entry is not None:
+            assert entry.params.structured_outputs is not None
+            self.release(entry.params.structured_outputs, entry.future)
 
     def take_failed(self) -> list[tuple[str, str]]:
         """(request id, error) of each request whose compile failed or passed its deadline;
@@ -267,7 +339,7 @@ class StructuredOutputManager:
                 continue
             if error is None:
                 continue  # compiled: ``ready`` starts it when the scheduler gets to it
-            del self._compiling[rid]
+            self._forget(rid)
             logger.warning("request %s: %s", rid, error)
             failed.append((rid, error))
         return failed
@@ -304,10 +376,11 @@ class StructuredOutputManager:
 
     def remove_request(self, request_id: str) -> None:
         """Forget a finished or aborted request; a compile still running for it goes on (its
-        result is cached for later requests, and no matcher is made for this one)."""
+        result is cached for later requests, and no matcher is made for this one), one still
+        queued that nobody else waits for is withdrawn."""
         self._matchers.pop(request_id, None)
         self._reasoning.pop(request_id, None)
-        self._compiling.pop(request_id, None)
+        self._forget(request_id)
 
     def grammar_bitmask(self, scheduled: list[ScheduledRequest]) -> GrammarBitmask | None:
         """Masks for the scheduled requests that sample this step under a constraint."""

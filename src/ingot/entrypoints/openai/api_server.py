@@ -15,6 +15,8 @@ import logging
 import math
 import os
 import re
+import socket
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing, asynccontextmanager
@@ -49,9 +51,20 @@ from ingot.entrypoints.openai.protocol import (
     message_dicts,
     now,
 )
-from ingot.entrypoints.openai.serving import ChatOptions, OpenAIServing, ServerBusyError, sse
+from ingot.entrypoints.openai.serving import (
+    ChatOptions,
+    IdleLimitedStreamingResponse,
+    OpenAIServing,
+    sse,
+)
 from ingot.entrypoints.openai.serving_pooling import OpenAIServingPooling
-from ingot.errors import EngineRequestError, PromptTooLongError, TokenIdError, new_error_id
+from ingot.errors import (
+    EngineRequestError,
+    PromptTooLongError,
+    ServerBusyError,
+    TokenIdError,
+    new_error_id,
+)
 from ingot.metrics.prometheus import EngineMetrics
 from ingot.version import __version__
 
@@ -485,7 +498,8 @@ def build_app(engine: EngineClient, settings: ServerSettings, metrics: EngineMet
                 yield sse(internal_error(request, exc))
                 yield "data: [DONE]\n\n"
 
-        return StreamingResponse(guarded(), media_type="text/event-stream")
+        return IdleLimitedStreamingResponse(guarded(), settings.limits.stream_idle_timeout,
+                                            media_type="text/event-stream")
 
     def check_generative(route: str) -> None:
         if model_config.is_pooling:
@@ -504,7 +518,9 @@ def build_app(engine: EngineClient, settings: ServerSettings, metrics: EngineMet
         if body.stream:
             # Prepared before the response starts, so a bad request still gets its status.
             prompts, params = serving.prepare_completion(body)
-            await serving.check_constraints(params, "structured_outputs")
+            # A client that leaves while its grammar waits for the compile pool withdraws it.
+            await _until_disconnected(request, serving.check_constraints(
+                params, "structured_outputs"))
             return stream_response(request, serving.completion_stream(body, prompts, params))
         return JSONResponse(await _until_disconnected(request, serving.completion(body)))
 
@@ -516,7 +532,8 @@ def build_app(engine: EngineClient, settings: ServerSettings, metrics: EngineMet
         check_running()
         if body.stream:
             prompt, params = await serving.prepare_chat(body)
-            await serving.check_constraints([params], body.constraint_field)
+            await _until_disconnected(request, serving.check_constraints(
+                [params], body.constraint_field))
             return stream_response(request, serving.chat_stream(body, prompt, params))
         return JSONResponse(await _until_disconnected(request, serving.chat(body)))
 
@@ -672,6 +689,24 @@ def build_engine(
     return engine, metrics, elapsed
 
 
+# Data a connection's socket may hold that the client's TCP window does not take (Linux's
+# TCP_NOTSENT_LOWAT, inherited by accepted sockets): past it the server's sends wait, so a
+# client that stopped reading shows within this much output (the stream idle limit then
+# applies), and each such connection holds this much kernel memory rather than up to the
+# 4 MB send buffer autotuning allows. Data in flight is not counted: throughput is the same.
+UNSENT_LIMIT_BYTES = 128 * 1024
+
+
+def limit_unsent_bytes(sock: Any) -> None:
+    option = getattr(socket, "TCP_NOTSENT_LOWAT", 25 if sys.platform == "linux" else None)
+    if option is None:
+        return
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, option, UNSENT_LIMIT_BYTES)
+    except OSError:  # not TCP (a Unix socket), or not supported: the kernel's default
+        pass
+
+
 def serve(engine_args: EngineArgs, host: str, port: int, settings_kwargs: dict[str, Any],
           metrics_name_prefix: str = "ingot") -> int:
     """Build the engine, then serve until interrupted."""
@@ -690,10 +725,24 @@ def serve(engine_args: EngineArgs, host: str, port: int, settings_kwargs: dict[s
     )
     app = build_app(engine, settings, metrics)
     logger.info("ready: serving %s on http://%s:%d (%.1fs)", served, host, port, elapsed)
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, its listening sockets given the unsent-bytes limit (accepted
+        connections inherit it)."""
+
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            for listener in getattr(self, "servers", ()):
+                for sock in listener.sockets:
+                    limit_unsent_bytes(sock)
+
+    # A bounded graceful shutdown: Ctrl-C must not wait forever on open streams.
+    server = Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                  access_log=False, timeout_graceful_shutdown=5))
     try:
-        # A bounded graceful shutdown: Ctrl-C must not wait forever on open streams.
-        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False,
-                    timeout_graceful_shutdown=5)
+        server.run()
+    except KeyboardInterrupt:
+        pass  # uvicorn re-raises Ctrl-C after its graceful shutdown (uvicorn.run ignores it)
     finally:
         engine.shutdown()
-    return 0
+    return 0 if server.started else 3  # uvicorn.run's exit code when it could not start

@@ -53,6 +53,10 @@ class ServerLimits:
     max_waiting_requests: int = field(default=4096, metadata=_flag(
         "sequences admitted but not yet started (prompts x n); past it new generation "
         "requests get 503 with Retry-After (default: %(default)s)"))
+    # No vLLM equivalent: a stream's send waits while the client reads nothing.
+    stream_idle_timeout: float = field(default=60.0, metadata=_flag(
+        "drop a streaming client that has read nothing for this many seconds: its request "
+        "is aborted, its KV blocks freed (default: %(default)s)"))
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

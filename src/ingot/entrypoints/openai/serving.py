@@ -12,6 +12,9 @@ from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from starlette.responses import StreamingResponse
+from starlette.types import Message, Send
+
 from ingot.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from ingot.engine.processor import EMPTY_PROMPT
 from ingot.engine.prompt_embeds import PROMPT_EMBEDS_PLACEHOLDER, decode_prompt_embeds
@@ -32,10 +35,11 @@ from ingot.entrypoints.openai.reasoning_parsers import END as REASONING_END
 from ingot.entrypoints.openai.reasoning_parsers import ReasoningParser
 from ingot.entrypoints.openai.tool_parsers.base import ToolParser
 from ingot.entrypoints.openai.tools import ToolRequest, parse_tool_request
-from ingot.errors import PromptTooLongError, TokenIdError
-from ingot.sampling_params import SamplingParams
+from ingot.errors import PromptTooLongError, ServerBusyError, TokenIdError
+from ingot.sampling_params import RequestOutputKind, SamplingParams
 
 request_logger = logging.getLogger("ingot.requests")
+logger = logging.getLogger("ingot")
 
 
 class Waiting:
@@ -47,12 +51,6 @@ class Waiting:
 
     def __init__(self, seqs: int) -> None:
         self.seqs = seqs
-
-
-class ServerBusyError(Exception):
-    """Too many sequences wait already: a 503 with Retry-After, before any stream starts."""
-
-    retry_after_s = 1
 
 
 @dataclass
@@ -84,12 +82,13 @@ def tools_chat_template() -> str:
 
 @dataclass
 class _ChoiceState:
-    """What was already sent of one choice (engine outputs are cumulative)."""
+    """What was already taken of one streamed choice (the engine sends deltas)."""
 
     text_len: int = 0
     num_tokens: int = 0
     finished: bool = False
     role_sent: bool = False  # chat: the role goes with the first generated content
+    text: str = ""  # chat with output parsers: the text so far, which they parse whole
 
 
 @dataclass
@@ -99,11 +98,18 @@ class _StreamState:
     completion_tokens: int = 0
 
     def advance(self, cs: _ChoiceState, c: CompletionOutput) -> None:
-        """Mark everything of ``c`` as sent."""
-        self.completion_tokens += max(len(c.token_ids) - cs.num_tokens, 0)
-        cs.text_len = len(c.text)
-        cs.num_tokens = len(c.token_ids)
+        """Take the delta ``c`` (sent in a chunk, or held back text-less with its tokens
+        counted)."""
+        self.completion_tokens += len(c.token_ids)
+        cs.text_len += len(c.text)
+        cs.num_tokens += len(c.token_ids)
         cs.finished = c.finish_reason is not None
+
+
+def _nothing_to_send(text: Any, c: CompletionOutput) -> bool:
+    """A delta with no text to show (held back: a split character, a possible stop string)
+    waits for a later chunk, unless logprobs are streamed token by token."""
+    return not text and not c.finish_reason and (not c.token_ids or c.logprobs is None)
 
 
 class ContextLengthError(PromptTooLongError):
@@ -142,20 +148,30 @@ _PUMPS: set[asyncio.Task] = set()
 async def merge(
     streams: list[AsyncIterator[RequestOutput]],
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave several generators; closing the merge closes (and so aborts) all of them."""
-    q: asyncio.Queue = asyncio.Queue()
+    """Interleave several generators; closing the merge closes (and so aborts) all of them.
+    The queue holds at most one item per stream: a pump waits for the consumer rather than
+    running ahead of it, so a slow consumer's outputs merge in the engine's per-request slot
+    (AsyncLLM) instead of piling up here."""
+    q: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
     done = object()
 
     async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
         try:
             async for item in stream:
-                q.put_nowait((i, item))
+                await q.put((i, item))
         except asyncio.CancelledError:
             raise  # the consumer is gone; the stream's cleanup aborts its request
         except Exception as exc:  # noqa: BLE001 - re-raised in the consumer
-            q.put_nowait((i, exc))
+            await q.put((i, exc))
+        else:
+            await q.put((i, done))
         finally:
-            q.put_nowait((i, done))
+            # Cancelled while waiting for the consumer, the pump is outside its stream: close
+            # it now, so its request is aborted at once rather than when it is collected.
+            # (Cancelled inside it, or after its end, the stream has finished: a no-op.)
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     for t in tasks:
@@ -368,7 +384,7 @@ class OpenAIServing:
             raise ServerBusyError(
                 f"the server is busy: {waiting} sequences wait to start, and this request's "
                 f"{len(prompts) * n} would pass the limit of {limit} (--max-waiting-requests); "
-                f"retry in {ServerBusyError.retry_after_s} s"
+                "retry in 1 s"
             )
         for p in prompts:
             p.waiting = Waiting(n)
@@ -391,6 +407,12 @@ class OpenAIServing:
         self, prompts: list[PreparedPrompt], params_list: list[SamplingParams], prefix: str,
         cache_salt: str | None = None,
     ) -> list[AsyncIterator[RequestOutput]]:
+        """The requests' output streams, of deltas (``output_kind=DELTA``: a step costs the new
+        tokens only). A whole response merges them (``RequestOutput.add``) rather than asking
+        for the final output only: its first delta, with its first token, is what ends its
+        time in the waiting queue (``_started``)."""
+        for params in params_list:
+            params.output_kind = RequestOutputKind.DELTA
         if self.log_requests:
             for i, (p, params) in enumerate(zip(prompts, params_list, strict=True)):
                 request_logger.info("request %s-%d: %d prompt tokens, %s", prefix, i,
@@ -491,7 +513,10 @@ class OpenAIServing:
         streams = self._streams(prompts, params_list, request_id, request.cache_salt)
         async with aclosing(merge(streams)) as outs:
             async for i, out in outs:
-                finals[i] = out
+                if i in finals:
+                    finals[i].add(out)  # deltas: the whole output is their sum
+                else:
+                    finals[i] = out
         n = params_list[0].n
         choices = []
         completion_tokens = 0
@@ -531,25 +556,24 @@ class OpenAIServing:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         continuous = bool(request.stream_options and request.stream_options.continuous_usage_stats)
         streams = self._streams(prompts, params_list, request_id, request.cache_salt)
-        async with aclosing(merge(streams)) as merged, \
-                _usage_recorded(state):
+        async with aclosing(merge(streams)) as merged, _usage_recorded(state):
             async for i, out in merged:
-                for c in out.outputs:
+                for c in out.outputs:  # deltas: what is new since the last output read
                     index = i * n + c.index
                     cs = state.choices.setdefault(index, _ChoiceState())
-                    delta_text = c.text[cs.text_len :]
-                    new_tokens = len(c.token_ids) - cs.num_tokens
-                    if cs.finished or (not delta_text and not c.finish_reason and (
-                            new_tokens == 0 or c.logprobs is None)):
+                    if cs.finished:
                         continue
+                    skip = _nothing_to_send(c.text, c)
                     chunk_choice = {
                         "index": index,
-                        "text": delta_text,
-                        "logprobs": self._completion_logprobs(c, cs.num_tokens, cs.text_len),
+                        "text": c.text,
+                        "logprobs": self._completion_logprobs(c, 0, cs.text_len),
                         "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason,
                     }
                     state.advance(cs, c)
+                    if skip:
+                        continue
                     chunk = {
                         "id": request_id, "object": "text_completion", "created": created,
                         "model": self.served_model_name, "choices": [chunk_choice],
@@ -628,7 +652,10 @@ class OpenAIServing:
         streams = self._streams([prompt], [params], request_id, request.cache_salt)
         async with aclosing(merge(streams)) as outs:
             async for _, out in outs:
-                final = out
+                if final is None:
+                    final = out
+                else:
+                    final.add(out)  # deltas: the whole output is their sum
         assert final is not None
         top_n = request.top_logprobs or 0
         make_parser = self._output_parsers(prompt.tools)
@@ -684,22 +711,21 @@ class OpenAIServing:
         # No chunk before the model has produced something: clients time their first token
         # from the first chunk, so the role travels with each choice's first content (as vLLM).
         streams = self._streams([prompt], [params], request_id, request.cache_salt)
-        async with aclosing(merge(streams)) as merged, \
-                _usage_recorded(state):
+        async with aclosing(merge(streams)) as merged, _usage_recorded(state):
             async for _, out in merged:
-                for c in out.outputs:
+                for c in out.outputs:  # deltas: what is new since the last output read
                     cs = state.choices.setdefault(c.index, _ChoiceState())
                     if cs.finished:
                         continue
-                    new_tokens = len(c.token_ids) - cs.num_tokens
                     called = False
                     if make_parser is None:
-                        delta_text = c.text[cs.text_len :]
+                        delta_text = c.text
                         delta: dict[str, Any] = {"content": delta_text} if delta_text else {}
                     else:
                         # Reasoning, content and tool calls; text that may still be a tag waits.
                         parser = parsers.setdefault(c.index, make_parser())
-                        parts = parser.update(c.text, c.finish_reason is not None)
+                        cs.text += c.text
+                        parts = parser.update(cs.text, c.finish_reason is not None)
                         called = parser.called_tools
                         delta_text = parts.content
                         delta = {"content": delta_text} if delta_text else {}
@@ -707,9 +733,10 @@ class OpenAIServing:
                             delta["reasoning"] = parts.reasoning
                         if parts.tool_calls:
                             delta["tool_calls"] = parts.tool_calls
-                    # Text held back (a split character, a possible stop string) waits for a later
-                    # chunk unless logprobs are streamed token by token.
-                    if not delta and not c.finish_reason and (new_tokens == 0 or c.logprobs is None):
+                    skip = _nothing_to_send(delta, c)
+                    logprobs = self._chat_logprobs(c, 0, top_n)
+                    state.advance(cs, c)
+                    if skip:
                         continue
                     if not cs.role_sent:
                         delta = {"role": "assistant", "content": delta_text, **delta}
@@ -717,11 +744,10 @@ class OpenAIServing:
                     choice = {
                         "index": c.index,
                         "delta": delta,
-                        "logprobs": self._chat_logprobs(c, cs.num_tokens, top_n),
+                        "logprobs": logprobs,
                         "finish_reason": finish_reason(c.finish_reason, called),
                         "stop_reason": c.stop_reason,
                     }
-                    state.advance(cs, c)
                     yield chunk([choice], usage=include_usage and continuous)
         if include_usage:
             yield chunk([], usage=True)
@@ -739,3 +765,40 @@ async def _usage_recorded(state: _StreamState) -> AsyncIterator[None]:
 
 def sse(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+class _ClientStalled(Exception):
+    """A send to the client waited past the stream's idle limit."""
+
+
+class IdleLimitedStreamingResponse(StreamingResponse):
+    """A streamed response that drops a client who stopped reading. The ASGI server's send
+    waits while the connection's buffers are full, so a send that has waited
+    ``idle_timeout`` seconds means the client has read nothing for about that long: the
+    response ends there, its body is closed (which aborts the engine requests and frees
+    their KV blocks) and the server closes the connection. Until then the client costs its
+    buffers and the one pending output per request (engine deltas merge while it lags)."""
+
+    def __init__(self, content: AsyncIterator[str], idle_timeout: float, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.idle_timeout = idle_timeout
+
+    async def stream_response(self, send: Send) -> None:
+        async def timed_send(message: Message) -> None:
+            try:
+                async with asyncio.timeout(self.idle_timeout):  # no task per chunk
+                    await send(message)
+            except TimeoutError:
+                raise _ClientStalled from None
+
+        body = self.body_iterator
+        try:
+            await super().stream_response(timed_send)
+        except _ClientStalled:
+            # Returning with the response incomplete makes the server close the connection.
+            logger.warning("dropped a streaming client that read nothing for %g s "
+                           "(--stream-idle-timeout); its request was aborted", self.idle_timeout)
+        finally:
+            aclose = getattr(body, "aclose", None)
+            if aclose is not None:
+                await aclose()  # at once, not when collected: the abort frees the blocks
