@@ -313,17 +313,24 @@ def _rss_bytes(pid: int) -> int:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/status")
 def test_rss_stays_flat_while_a_client_stalls_for_two_minutes(long_model_dir, tmp_path):
     """The limit set past the test: a client stalls for two minutes while its request keeps
-    producing (each step slowed to 10 ms, so it cannot finish), and the server's RSS stays
-    within 50 MB. Before deltas, each step queued a copy of the whole output so far."""
+    producing (each step slowed by 40 ms, so its 4000 tokens cannot finish), and the server's
+    RSS stays within 50 MB. Before deltas, each step queued a copy of the whole output so far:
+    this test's setup grew the old server by 182 MB in the two minutes (this one: 20 MB). The
+    context stays at 4096: the engine's own decode temporaries grow with the context bucket (at
+    16k context a client that reads grows RSS by about 40 MB too), not what this measures."""
     launcher = [sys.executable, str(E2E / "slow_step_cli.py")]
-    env = {**os.environ, "INGOT_TEST_STEP_DELAY": "0.01"}
-    with run_server([*_long_flags(long_model_dir), "--stream-idle-timeout", "600"], tmp_path,
-                    launcher=launcher, env=env) as server:
+    env = {**os.environ, "INGOT_TEST_STEP_DELAY": "0.04"}
+    context = 4096
+    # Every chunk carries the model's name: a 2000-character one pads each to ~2 KB, so the
+    # kernel's buffers fill within seconds (after them, the old server queued O(T^2) bytes)
+    # while the engine's and the stream's own state stay small.
+    with run_server([str(long_model_dir), "--dtype", "float32", "--max-model-len", str(context),
+                     "--served-model-name", "m" * 2000, "--stream-idle-timeout", "600"],
+                    tmp_path, launcher=launcher, env=env) as server:
         baseline = greedy_answer(server)
-        # n=8: several MB on the wire within the two minutes (past the kernel's buffers, so
-        # before deltas the server queued O(T^2) bytes), while what it has not read (it is
-        # held for it, as a whole response would be) stays small: no logprobs.
-        body = {"prompt": "hello", "max_tokens": LONG_CONTEXT - 100, "n": 8,
+        # n=8 choices, no logprobs: what it has not read (held for it, as a whole response
+        # would be) stays small.
+        body = {"prompt": "hello", "max_tokens": context - 100, "n": 8,
                 "ignore_eos": True, "temperature": 0, "stream": True}
         sock = _open_stream(server, body, rcvbuf=4096)
         try:
