@@ -37,7 +37,7 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"},
 # kind -> weight: mostly valid traffic, a steady share of abuse.
 KINDS = {"complete": 6, "stream": 6, "disconnect": 3, "bad": 4, "constrained": 2,
          "abandoned_compile": 1, "stall": 1}
-STALL_S = 20.0  # a stalled reader sleeps this long before it goes away
+STALL_S = 75.0  # a stalled reader sleeps this long: past --stream-idle-timeout (60 s), to be dropped
 
 
 def bad_requests(model: str) -> list[tuple[str, str, bytes]]:
