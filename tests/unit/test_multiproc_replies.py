@@ -17,5 +17,5 @@ def test_an_early_reply_waits_for_its_own_call():
     ex.check_health = lambda: None
     arrivals = deque([(1, "ok", "a1"), (1, "ok", "b1"), (0, "ok", "a0"), (0, "ok", "b0")])
     ex._children = SimpleNamespace(recv=lambda s: arrivals.popleft() if arrivals else None)
-    assert ex._gather(timeout=5) == ["a0", "a1"]
-    assert ex._gather(timeout=5) == ["b0", "b1"]
+    assert ex._gather("execute_model", True, timeout=5) == ["a0", "a1"]
+    assert ex._gather("execute_model", True, timeout=5) == ["b0", "b1"]
