@@ -204,3 +204,13 @@ def assert_recovered(server: Server, baseline: str, model: str | None = None) ->
     assert wait_until(
         lambda: metric(server.metrics(), "ingot:num_requests_running") == 0, timeout=15
     ), "requests still running after the attack"
+
+
+class Exploit:
+    """A pickle whose unpickling would create ``path``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):  # noqa: ANN204
+        return (open, (self.path, "w"))

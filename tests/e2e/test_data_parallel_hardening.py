@@ -25,6 +25,7 @@ import pytest
 import zmq
 from server_utils import (
     TINY_FLAGS,
+    Exploit,
     HealthWatch,
     assert_client_error,
     assert_recovered,
@@ -37,16 +38,6 @@ from ingot.distributed import wire
 from ingot.distributed.wire import Link, RemoteError
 
 pytestmark = pytest.mark.slow  # two replicas, one on a --headless "node"
-
-
-class Exploit:
-    """A pickle whose unpickling would create ``path``."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __reduce__(self):  # noqa: ANN204
-        return (open, (self.path, "w"))
 
 
 @pytest.fixture(scope="module")

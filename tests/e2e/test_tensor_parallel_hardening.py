@@ -17,6 +17,7 @@ import pytest
 import zmq
 from server_utils import (
     TINY_FLAGS,
+    Exploit,
     HealthWatch,
     assert_client_error,
     assert_recovered,
@@ -27,16 +28,6 @@ from server_utils import (
 from ingot.distributed.wire import Link, RemoteError
 
 pytestmark = pytest.mark.slow  # a server with two worker processes
-
-
-class Exploit:
-    """A pickle whose unpickling would create ``path``."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __reduce__(self):  # noqa: ANN204
-        return (open, (self.path, "w"))
 
 
 @pytest.fixture(scope="module")
