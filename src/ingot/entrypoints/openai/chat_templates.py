@@ -73,6 +73,10 @@ class _RenderProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", WORKER_MODULE, str(memory_bytes)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            # Out of the terminal's process group: a Ctrl-C that lands while the interpreter
+            # starts (before the worker ignores SIGINT) must not kill it mid-start. The server
+            # ends it (kill, or EOF on its stdin when the server is gone).
+            start_new_session=True,
         )
         # Killed with the server (or the object) whatever path ends them.
         self._finalizer = weakref.finalize(self, _stop, self.proc)
@@ -160,7 +164,10 @@ class ChatTemplateRenderer:
         try:
             return _RenderProcess(self.memory_bytes)
         except (OSError, RuntimeError):
-            logger.exception("could not start a chat template render process")
+            with self._changed:
+                closing = self._closed
+            if not closing:  # a start cut short by the server's own shutdown is no error
+                logger.exception("could not start a chat template render process")
             with self._changed:
                 self._alive -= 1
                 self._changed.notify_all()
