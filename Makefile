@@ -49,6 +49,8 @@ lint: install
 # block of docs/PERFORMANCE.md and docs/throughput_vs_batch_<kind>.png (other kinds' stay as they
 # are). Takes many minutes; narrow it with e.g.
 # `make compare COMPARE_ARGS="--workloads single,prefill"`, or `COMPARE_ARGS=--dry-run`.
+# With llama.cpp beside vLLM (bench/llama_cpp.sh builds it once, ~20 min on 2 cores):
+# `make compare LLAMA_BENCH="$$(bench/llama_cpp.sh)/llama-bench"` (compare.py reads LLAMA_BENCH).
 COMPARE_ARGS ?=
 
 compare: install

@@ -424,3 +424,51 @@ def test_limited_runner_prefixes_each_process(tmp_path):
     assert compare.limited(runner, None) is runner
     compare.limited(runner, "taskset:0")(["a", "b"], {}, tmp_path / "log")
     assert seen == [["taskset", "-c", "0", "a", "b"]]
+
+
+llama_bench = _load("llama_bench")
+
+
+def test_llama_bench_json_becomes_result_lines():
+    records = [{"n_prompt": 1024, "n_gen": 0, "avg_ts": 128.0},
+               {"n_prompt": 0, "n_gen": 128, "avg_ts": 64.5}]
+    lines = llama_bench.results_lines(records, threads=2)
+    pp, tg = (compare.parse_result_line(x) for x in lines)
+    assert pp == {"workload": "llama_pp", "engine": "llama.cpp", "n_prompt": 1024.0,
+                  "tok_s": 128.0, "time_s": 8.0, "threads": 2.0}
+    assert tg["workload"] == "llama_tg" and tg["output_tok_s"] == 64.5
+    # a combined pp+tg test (llama-bench -pg) is neither figure
+    assert llama_bench.results_lines([{"n_prompt": 512, "n_gen": 128, "avg_ts": 9.0}], 2) == []
+
+
+def test_llama_cpp_and_peer_dtypes_in_the_plan_and_report():
+    steps = compare.plan(["single"], ["2"], Path("/m"), Path("/p"), "1", 64, None,
+                         ["bfloat16", "float32"], "/bin/llama-bench")
+    assert [s for s, *_ in steps] == ["ingot", "vllm:2", "vllm:2:float32", "llama.cpp"]
+    assert steps[1][2][-2:] == ["--workloads", "single"]  # bf16: vllm_workloads.py's default
+    assert steps[2][2][-2:] == ["--dtype", "float32"]
+    assert compare.setting_label("vllm:2:float32") == "vLLM, OMP_NUM_THREADS=2, float32"
+
+    f = _figures()
+    f["vllm:2:float32"] = compare.summarize_setting(
+        [_run("vllm:2:float32", "single", _line("vllm", "single", 1, 4.0, 20.0, 40.0))])
+    f["llama.cpp"] = compare.summarize_setting([_run(
+        "llama.cpp", "llama", "RESULT workload=llama_file engine=llama.cpp model=m-q4_1.gguf",
+        "RESULT workload=llama_tg engine=llama.cpp n_gen=128 output_tok_s=51.2 threads=2",
+        "RESULT workload=llama_pp engine=llama.cpp n_prompt=1024 tok_s=102.4 time_s=10.0")])
+    f["ingot"]["ran"] = "bfloat16 on avx2"
+    # llama.cpp is never "the best vLLM setting", however fast
+    assert compare.best_peer(f, "single") == (20.0, "vllm:2:float32")
+    machine = compare.machine_info(
+        "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 7B13\n"
+        "flags\t\t: fpu avx2 fma\n", "MemTotal:       24576000 kB\n")
+    assert machine["kind"] == "epyc-avx2"
+    text = compare.render_section(f, machine, ["make compare"], None, "2026-01-01")
+    assert "ingot with `--dtype auto` (bfloat16 on avx2)" in text
+    assert "vLLM in bfloat16 and float32" in text
+    # AVX2 CPUs have issue #32's stricter targets: 25.6 / 20.0 = 1.28x < 2.5x
+    assert re.search(r"\| single .*\| 20\.0 \(vLLM, OMP_NUM_THREADS=2, float32\) \| 1\.28x "
+                     r"\| >= 2\.5x \| no \|", text)
+    assert "tg128 51.2 tok/s, pp1024 102.4 tok/s (10.000 s)" in text and "m-q4_1.gguf" in text
+    assert "ingot 25.6 tok/s = 0.50x llama.cpp's tg128" in text
+    assert "ingot 0.600 s = 16.67x llama.cpp's pp1024 speed" in text
