@@ -6,6 +6,19 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "models"))
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "kernel_build(library, isa): a test of one build of ingot's CPU kernels "
+        "(tests/kernel_builds.py counts them per build)")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -k / -m deselect: the counts are of every kernel test
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    builds = sys.modules.get("kernel_builds")  # imported by the modules that have kernel tests
+    if builds is not None:
+        builds.count(items)
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     # One rule for every test of ingot's C kernels: they run wherever the kernels build.
     if item.get_closest_marker("needs_kernels") is not None:

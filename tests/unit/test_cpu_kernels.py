@@ -1,8 +1,9 @@
 """ingot's bf16 kernels against torch: float32 math on the same bf16 inputs for the GEMV, GEMM
 and attention, bit-equality with torch's bf16 ops for the elementwise kernels and argmax. Every
-test of a kernel runs each build of :data:`cpu_kernels.ISAS` (the ``fn`` fixture): the builds
-this CPU runs are tested, the others skip with the reason (an AVX-512 CPU tests its AVX2 and
-portable builds too)."""
+test of a kernel runs each build this CPU runs (tests/kernel_builds.py: the ``fn`` fixture for
+the bf16 library, ``isa`` for the float32 one; an AVX-512 CPU tests its AVX2 and portable builds
+too); each build it cannot run is one skip of ``test_build_runs_here``, which says how many
+kernel tests that build did not run."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+import kernel_builds
 from ingot.model_executor.layers import cpu_kernels
 from ingot.model_executor.layers.bindable import Kernels
 from ingot.model_executor.layers.layernorm import RMSNorm
@@ -18,13 +20,33 @@ from ingot.model_executor.layers.rotary import RotaryEmbedding
 from ingot.model_executor.layers.sampler import greedy_argmax
 
 
-@pytest.fixture(params=list(cpu_kernels.ISAS))
+@pytest.fixture(params=kernel_builds.over("bf16"))
 def fn(request) -> cpu_kernels.CpuKernels:
-    """One build of the bf16 library (each in turn); a build this CPU cannot run skips."""
-    kernels = cpu_kernels.load_cpu_kernels(request.param)
-    if kernels is None:
-        pytest.skip(f"this CPU does not run the {request.param} build of ingot's kernels")
-    return kernels
+    """One build of the bf16 library this CPU runs (each in turn)."""
+    return kernel_builds.load("bf16", request.param)
+
+
+@pytest.mark.parametrize("isa", kernel_builds.every_build())
+def test_build_runs_here(isa, monkeypatch):
+    """A build this CPU runs loads (each library it is a build of) with the vector width and
+    bf16 dot product it was built for, as the library itself reports them; a build it cannot
+    run is this one skip, which counts the kernel tests that did not run for it."""
+    if not kernel_builds.runs(isa):
+        pytest.skip(kernel_builds.not_run(isa))
+    reported = {}
+    check = cpu_kernels._check_build
+
+    def spy(lib, build):  # noqa: ANN001, ANN202
+        reported[build] = (lib.ingot_cpu_lanes(), bool(lib.ingot_cpu_native_bf16_dot()))
+        check(lib, build)
+
+    monkeypatch.setattr(cpu_kernels, "_check_build", spy)
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})  # load afresh, through the check
+    assert kernel_builds.load("bf16", isa).isa == isa
+    assert reported == {isa: (cpu_kernels.ISAS[isa].lanes, cpu_kernels.ISAS[isa].native_bf16_dot)}
+    if isa in cpu_kernels.F32_ISAS:
+        f32 = kernel_builds.load("f32", isa)
+        assert f32.isa == isa and f32.lanes == cpu_kernels.ISAS[isa].lanes
 
 
 @pytest.fixture
@@ -424,15 +446,12 @@ def _per_sequence_sdpa(q, k, v, lens):
     return torch.cat(out)
 
 
-# Every float32 build this CPU runs (an AVX-512 CPU tests its AVX2 build too); _f32 skips the rest.
-F32_BUILDS = list(cpu_kernels.F32_ISAS)
+# Every float32 build this CPU runs (an AVX-512 CPU tests its AVX2 build too).
+F32_BUILDS = kernel_builds.over("f32")
 
 
 def _f32(isa: str) -> cpu_kernels.F32Kernels:
-    kernels = cpu_kernels.load_f32_kernels(isa)
-    if kernels is None:
-        pytest.skip(f"this CPU does not run the {isa} float32 kernels")
-    return kernels
+    return kernel_builds.load("f32", isa)
 
 
 @pytest.mark.parametrize("isa", F32_BUILDS)
@@ -560,6 +579,7 @@ def test_an_avx2_cpu_chooses_the_avx2_build_and_ingots_bf16_path(monkeypatch):
 
     monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: _ZEN3_FLAGS)
     monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    monkeypatch.delenv("INGOT_CPU_ISA", raising=False)  # uncapped, whatever the shell set
     assert cpu_kernels.cpu_isas() == ("avx2", "portable")
     assert cpu_kernels.f32_isas() == ("avx2", "portable")
     assert cpu_kernels.load_cpu_kernels().isa == "avx2"
