@@ -19,18 +19,29 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         builds.count(items)
 
 
+def _kernels_or_skip(load, library: str, what: str) -> None:
+    from ingot.model_executor.layers import cpu_kernels
+
+    if load() is not None:
+        return
+    why = sorted({reason for name, reason in cpu_kernels.unavailable.items()
+                  if name.startswith(f"{library}-")})
+    if any(reason not in ("disabled", "no compiler") for reason in why):
+        pytest.fail(f"{what} failed to build on a CPU that runs them: {why}")
+    pytest.skip(f"{what} are off here ({', '.join(why) or 'no build for this CPU'})")
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    # One rule for every test of ingot's C kernels: they run wherever the kernels build.
+    # One rule for every test of ingot's C kernels: they run wherever the kernels can build
+    # (a compiler, INGOT_CPU_KERNELS not 0); a build that broke fails, it does not skip.
     if item.get_closest_marker("needs_kernels") is not None:
         from ingot.model_executor.layers.cpu_kernels import load_cpu_kernels
 
-        if load_cpu_kernels() is None:
-            pytest.skip("ingot's CPU kernels do not build here (no C compiler)")
+        _kernels_or_skip(load_cpu_kernels, "bf16", "ingot's CPU kernels")
     if item.get_closest_marker("needs_f32_kernels") is not None:
         from ingot.model_executor.layers.cpu_kernels import load_f32_kernels
 
-        if load_f32_kernels() is None:
-            pytest.skip("ingot's float32 CPU kernels do not build here (no C compiler)")
+        _kernels_or_skip(load_f32_kernels, "f32", "ingot's float32 CPU kernels")
 
 
 @pytest.fixture(scope="session")

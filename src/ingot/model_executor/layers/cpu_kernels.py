@@ -99,6 +99,9 @@ ISAS: dict[str, KernelIsa] = {
 #: duplicate "avx512").
 F32_ISAS: tuple[str, ...] = ("avx512", "avx2", "portable")
 _loaded: dict[str, object] = {}  # library name -> its bound entry points, or None
+# library name -> why it is None: "disabled" (INGOT_CPU_KERNELS=0), "no compiler", or the
+# failed build's message. Tests skip for the first two and fail for a build that broke.
+unavailable: dict[str, str] = {}
 
 
 class CpuKernels:
@@ -253,16 +256,19 @@ def _load(name: str, source_path: Path, flags: list[str], bind):  # noqa: ANN001
         return _loaded[name]
     _loaded[name] = None
     if os.environ.get("INGOT_CPU_KERNELS", "1") == "0":
+        unavailable[name] = "disabled"
         return None
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         logger.info("no C compiler found: ingot's CPU kernels are off, torch ops and oneDNN run")
+        unavailable[name] = "no compiler"
         return None
     try:
         kernels = bind(ctypes.CDLL(str(_build(compiler, source_path, flags))))
     except (OSError, AttributeError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         logger.warning("ingot's CPU kernels (%s) are unavailable (%s): using torch ops", name, detail)
+        unavailable[name] = f"the build failed: {detail}"
         return None
     _loaded[name] = kernels
     return kernels
