@@ -659,3 +659,159 @@ def bind_openmp_team(cpus: tuple[int, ...]) -> bool | None:
         return None
     arr = (ctypes.c_int * len(cpus))(*cpus)
     return kernels.bind_threads(arr, len(cpus)) == 0
+
+
+# ---- GGUF-quantized weights (cpu_kernels_quant.c) ----------------------------------------------
+# Issue #33's first kernels: Q4_0 / Q4_1 / Q8_0 weights kept as the file's blocks (repacked 8 rows
+# interleaved), activations quantized per 32 to int8 (llama.cpp's Q8_1 scheme), integer dot
+# products. Not yet wired into model loading; bench/quant_linear.py and
+# tests/unit/test_quant_kernels.py use them, docs/features.md ("Quantized weights (GGUF)") has
+# the measured plan.
+
+_QUANT_SOURCE_PATH = Path(__file__).with_name("cpu_kernels_quant.c")
+#: The quantized library's builds (no bf16 arithmetic, so "avx512_bf16" would duplicate
+#: "avx512"). Each x86 build also needs F16C (every AVX2 CPU has it) for the f16 block scales,
+#: and takes vpdpbusd where the CPU has AVX512-VNNI (avx512) or AVX-VNNI (avx2).
+QUANT_ISAS: tuple[str, ...] = ("avx512", "avx2", "portable")
+_QUANT_EXTRA = {"avx512": (("f16c",), ("-mf16c",), ("avx512_vnni", "-mavx512vnni")),
+                "avx2": (("f16c",), ("-mf16c",), ("avx_vnni", "-mavxvnni")),
+                "portable": ((), (), None)}
+#: Rows interleaved in a repacked group (QROWS in the C source).
+QUANT_GROUP_ROWS = 8
+#: GGUF type name -> (GGML type id, bytes of one 32-weight block in the file, bytes of one
+#: repacked (group, block): 8 rows' blocks).
+QUANT_TYPES: dict[str, tuple[int, int, int]] = {
+    "Q4_0": (2, 18, 144),
+    "Q4_1": (3, 20, 160),
+    "Q8_0": (8, 34, 272),
+}
+
+
+class QuantKernels:
+    """The quantized library's entry points, built for one ISA of :data:`QUANT_ISAS`."""
+
+    def __init__(self, lib: ctypes.CDLL, isa: str) -> None:
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self.isa = isa
+        lanes = _bind(lib.ingot_quant_lanes, [], i32)()
+        if lanes != ISAS[isa].lanes:
+            raise OSError(f"the {isa} quantized kernels were built for {lanes} lanes")
+        #: 0 lane loops (portable), 1 vpmaddubsw + vpmaddwd, 2 vpdpbusd (VNNI)
+        self.dot_kind = _bind(lib.ingot_quant_dot_kind, [], i32)()
+        if (self.dot_kind == 0) != (isa == "portable"):
+            raise OSError(f"the {isa} quantized kernels were built without its integer dots")
+        group_bytes = _bind(lib.ingot_quant_group_bytes, [i32], i64)
+        for name, (type_id, _, size) in QUANT_TYPES.items():
+            if group_bytes(type_id) != size:
+                raise OSError(f"the quantized kernels' {name} groups are not {size} bytes")
+        self.quantize_q8_1 = _bind(lib.ingot_quantize_q8_1, [p, i32, i64, i64] + [p] * 4 + [i32])
+        self.matmul = _bind(lib.ingot_quant_matmul, [i32] + [p] * 7 + [i32] + [i64] * 3 + [i32],
+                            i32)
+        self.linear = _bind(lib.ingot_quant_linear, [i32, p, i32, p, p, p, i32] + [i64] * 3 + [i32],
+                            i32)
+
+
+def quant_isas() -> tuple[str, ...]:
+    """The quantized library's builds this CPU runs, widest first ("portable" always)."""
+    runs = cpu_isas()
+    return tuple(isa for isa in QUANT_ISAS if isa in runs and _cpu_has(*_QUANT_EXTRA[isa][0]))
+
+
+def load_quant_kernels(isa: str | None = None) -> QuantKernels | None:
+    """The GGUF-quantized kernels for ``isa`` (one of :data:`QUANT_ISAS`; default: the widest
+    this CPU runs), built and loaded once per process; None where they cannot be used. Built
+    with ``-ffp-contract=off``: no fused multiply-adds, so every build gives the same bits."""
+    isa = _pick(isa, QUANT_ISAS, quant_isas())
+    if isa is None:
+        return None
+    _, extra_flags, vnni = _QUANT_EXTRA[isa]
+    flags = [*ISAS[isa].cc_flags, *extra_flags, *_COMMON_FLAGS, "-ffp-contract=off"]
+    if vnni is not None and _cpu_has(vnni[0]):
+        flags.append(vnni[1])
+    return _load(f"quant-{isa}", _QUANT_SOURCE_PATH, flags, lambda lib: QuantKernels(lib, isa))
+
+
+def pack_quant_weight(raw, qtype: str, n: int, k: int) -> torch.Tensor:  # noqa: ANN001
+    """A GGUF tensor's bytes (``raw``: [N, K/32 * block bytes] uint8, numpy or torch, rows in
+    the file's order) -> the quantized kernels' layout, [ceil(N/8), K/32, group bytes] uint8:
+    per group of 8 rows and block of 32 weights, the 8 rows' f16 scales (Q4_1: then their f16
+    mins), then the weights 4 per row in turn (cpu_kernels_quant.c). The bytes are the file's,
+    rearranged; rows past N are zero blocks."""
+    if qtype not in QUANT_TYPES:
+        raise ValueError(f"no quantized kernel for {qtype}; one of {list(QUANT_TYPES)}")
+    if k % 32:
+        raise ValueError(f"{qtype} rows of {k} weights are not whole 32-weight blocks")
+    _, block_bytes, _ = QUANT_TYPES[qtype]
+    nb, rows = k // 32, QUANT_GROUP_ROWS
+    if getattr(raw, "flags", None) is not None and not raw.flags.writeable:
+        raw = raw.copy()  # numpy over a read-only map: torch wants memory it may write
+    blocks = torch.as_tensor(raw).view(torch.uint8).reshape(n, nb, block_bytes)
+    groups = -(-n // rows)
+    if groups * rows != n:
+        blocks = torch.cat([blocks, blocks.new_zeros(groups * rows - n, nb, block_bytes)])
+    blocks = blocks.view(groups, rows, nb, block_bytes).transpose(1, 2)  # [G, nb, 8, bytes]
+    scales = blocks[..., 0:2].reshape(groups, nb, 2 * rows)
+    if qtype == "Q8_0":  # weight 4c + j of row r -> chunk c, lane r, byte j
+        qs = blocks[..., 2:34].reshape(groups, nb, rows, 8, 4).transpose(2, 3)
+        return torch.cat([scales, qs.reshape(groups, nb, 32 * rows)], -1).contiguous()
+    first = 4 if qtype == "Q4_1" else 2
+    nibbles = blocks[..., first:first + 16]  # low: weight e, high: weight e + 16
+    q = torch.cat([nibbles & 15, nibbles >> 4], -1)  # [G, nb, 8, 32], weight order
+    # weight 8c + 4h + j of row r -> chunk c, lane r, byte j, low nibble (h 0) or high (h 1)
+    q = q.reshape(groups, nb, rows, 4, 2, 4).permute(0, 1, 3, 2, 4, 5)
+    packed = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(groups, nb, 16 * rows)
+    parts = [scales]
+    if qtype == "Q4_1":
+        parts.append(blocks[..., 2:4].reshape(groups, nb, 2 * rows))
+    return torch.cat([*parts, packed], -1).contiguous()
+
+
+def quantize_q8_1(kernels: QuantKernels, x: torch.Tensor,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 or bf16 (K % 32 == 0) -> (q int8 [M, K], d, s = d * sum float32
+    [M, K/32], sum int32 [M, K/32]): per block of 32, d = max|x| / 127, q = nearest-even(x *
+    127 / max|x|) (0 for a zero block)."""
+    x = x.contiguous()
+    m, k = x.shape
+    if k % 32:
+        raise ValueError(f"activations of {k} columns are not whole 32-blocks")
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"activations must be float32 or bf16, got {x.dtype}")
+    q = torch.empty(m, k, dtype=torch.int8)
+    d = torch.empty(m, k // 32, dtype=torch.float32)
+    s = torch.empty_like(d)
+    total = torch.empty(m, k // 32, dtype=torch.int32)
+    kernels.quantize_q8_1(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, q.data_ptr(),
+                          d.data_ptr(), s.data_ptr(), total.data_ptr(), torch.get_num_threads())
+    return q, d, s, total
+
+
+def quant_matmul(kernels: QuantKernels, x: torch.Tensor, packed: torch.Tensor, qtype: str,
+                 out_features: int, bias: torch.Tensor | None = None,
+                 out_dtype: torch.dtype | None = None, threads: int | None = None,
+                 ) -> torch.Tensor:
+    """x [..., K] float32 or bf16 times a weight from :func:`pack_quant_weight` (``qtype``,
+    ``out_features`` rows), plus ``bias`` (float32 or None) -> [..., out_features] in
+    ``out_dtype`` (default x's): x quantized per 32 as :func:`quantize_q8_1` does, integer dot
+    products per block, float32 accumulation (cpu_kernels_quant.c states the order); one call."""
+    k = x.shape[-1]
+    if packed.shape[1] * 32 != k or packed.shape[2] != QUANT_TYPES[qtype][2]:
+        raise ValueError(f"a {qtype} weight packed as {tuple(packed.shape)} does not take "
+                         f"{k}-wide activations")
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"activations must be float32 or bf16, got {x.dtype}")
+    x2 = x.reshape(-1, k).contiguous()
+    m = x2.shape[0]
+    out_dtype = out_dtype or x.dtype
+    y = torch.empty(m, out_features, dtype=out_dtype)
+    if bias is not None and bias.dtype != torch.float32:
+        bias = bias.float()
+    status = kernels.linear(QUANT_TYPES[qtype][0], x2.data_ptr(), int(x.dtype == torch.bfloat16),
+                            packed.data_ptr(), _ptr(bias), y.data_ptr(),
+                            int(out_dtype == torch.bfloat16), m, out_features, k,
+                            threads or torch.get_num_threads())
+    if status == -2:
+        raise MemoryError(f"quantized linear: no memory for {m} x {k} quantized activations")
+    if status:
+        raise ValueError(f"the quantized kernels do not take {qtype}")
+    return y.view(*x.shape[:-1], out_features)

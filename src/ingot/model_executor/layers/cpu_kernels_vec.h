@@ -426,6 +426,148 @@ INL void vstore_part(float *p, vf v, int64_t left) {
     else vstorem(p, vtail(left), v);
 }
 
+/* ---- quantized weights: 8 lanes, one interleaved weight row per 32-bit lane ----------------
+   The GGUF kernels (cpu_kernels_quant.c) interleave 8 weight rows so that each 32-bit lane of
+   a 256-bit vector holds 4 consecutive int8 (or 4-bit) weights of one row; a broadcast 4
+   activation bytes then gives each lane its row's dot product with no horizontal sum. These
+   names are 8 lanes whatever the build's VL (AVX-512 builds run them on ymm registers, with
+   vpdpbusd where AVX512-VNNI or AVX-VNNI is present):
+     vq   8 x int32 (32 bytes): vq_load, vq_bcast4 (4 bytes to every lane), vq_set1, vq_add,
+          vq_sub, vq_lo_nibbles / vq_hi_nibbles (each byte's low / high 4 bits, 0..15),
+          vq_dot_u8s8 (acc + per lane sum of 4 products unsigned byte x signed byte; on AVX2
+          vpmaddubsw's int16 pair sums must not saturate: a <= 128 and |b| <= 127 keep them
+          inside), vq_dot_s8s8 (both signed: |a| as the unsigned side, b given a's sign);
+     vqf  8 x float32: vqf_zero/set1/add/mul/store, vq_tofloat (exact below 2^24),
+          vqf_load_f16 (8 IEEE halves widened, F16C where the build has it). */
+INL float from_fp16(uint16_t h) { /* exact, subnormals included */
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    uint32_t u;
+    if (e == 0) {
+        float f = ldexpf((float)man, -24);
+        memcpy(&u, &f, 4);
+        u |= sign;
+    } else if (e == 31) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else {
+        u = sign | ((e + 112u) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+#if defined(__AVX2__)
+typedef __m256i vq;
+typedef __m256 vqf;
+INL vq vq_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+INL vq vq_bcast4(const void *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+INL vq vq_set1(int32_t a) { return _mm256_set1_epi32(a); }
+INL vq vq_add(vq a, vq b) { return _mm256_add_epi32(a, b); }
+INL vq vq_sub(vq a, vq b) { return _mm256_sub_epi32(a, b); }
+INL vq vq_lo_nibbles(vq p) { return _mm256_and_si256(p, _mm256_set1_epi8(15)); }
+INL vq vq_hi_nibbles(vq p) { return _mm256_and_si256(_mm256_srli_epi16(p, 4), _mm256_set1_epi8(15)); }
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define VQ_DOT_KIND 2 /* vpdpbusd */
+INL vq vq_dot_u8s8(vq acc, vq a, vq b) { return _mm256_dpbusd_epi32(acc, a, b); }
+#elif defined(__AVXVNNI__)
+#define VQ_DOT_KIND 2
+INL vq vq_dot_u8s8(vq acc, vq a, vq b) { return _mm256_dpbusd_avx_epi32(acc, a, b); }
+#else
+#define VQ_DOT_KIND 1 /* vpmaddubsw + vpmaddwd */
+INL vq vq_dot_u8s8(vq acc, vq a, vq b) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)));
+}
+#endif
+INL vq vq_dot_s8s8(vq acc, vq a, vq b) {
+    return vq_dot_u8s8(acc, _mm256_abs_epi8(a), _mm256_sign_epi8(b, a));
+}
+INL vq vq_mul_u8s8_i16(vq a, vq b) { return _mm256_maddubs_epi16(a, b); }
+INL vq vq_add_i16(vq a, vq b) { return _mm256_add_epi16(a, b); }
+INL vq vq_sum_i16(vq acc, vq v) { return _mm256_add_epi32(acc, _mm256_madd_epi16(v, _mm256_set1_epi16(1))); }
+INL vqf vqf_zero(void) { return _mm256_setzero_ps(); }
+INL vqf vqf_set1(float a) { return _mm256_set1_ps(a); }
+INL vqf vqf_add(vqf a, vqf b) { return _mm256_add_ps(a, b); }
+INL vqf vqf_mul(vqf a, vqf b) { return _mm256_mul_ps(a, b); }
+INL void vqf_store(float *p, vqf v) { _mm256_storeu_ps(p, v); }
+INL vqf vq_tofloat(vq a) { return _mm256_cvtepi32_ps(a); }
+INL vqf vqf_load_f16(const void *p) {
+#if defined(__F16C__)
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    uint16_t h[8];
+    memcpy(h, p, 16);
+    return _mm256_setr_ps(from_fp16(h[0]), from_fp16(h[1]), from_fp16(h[2]), from_fp16(h[3]),
+                          from_fp16(h[4]), from_fp16(h[5]), from_fp16(h[6]), from_fp16(h[7]));
+#endif
+}
+#else
+/* portable: lane loops (the reference; GCC vectorises what it can for the target) */
+#define VQ_DOT_KIND 0
+typedef int32_t vq __attribute__((vector_size(32)));
+typedef float vqf __attribute__((vector_size(32)));
+typedef uint8_t vq_u8 __attribute__((vector_size(32)));
+INL vq vq_load(const void *p) { vq r; memcpy(&r, p, 32); return r; }
+INL vq vq_set1(int32_t a) { vq r; for (int i = 0; i < 8; i++) r[i] = a; return r; }
+INL vq vq_bcast4(const void *p) { int32_t v; memcpy(&v, p, 4); return vq_set1(v); }
+INL vq vq_add(vq a, vq b) { return a + b; }
+INL vq vq_sub(vq a, vq b) { return a - b; }
+INL vq vq_lo_nibbles(vq p) { return (vq)((vq_u8)p & 15); }
+INL vq vq_hi_nibbles(vq p) { return (vq)((vq_u8)p >> 4); }
+INL vq vq_dot_u8s8(vq acc, vq a, vq b) {
+    uint8_t ab[32];
+    int8_t bb[32];
+    memcpy(ab, &a, 32);
+    memcpy(bb, &b, 32);
+    for (int i = 0; i < 8; i++)
+        for (int j = 0; j < 4; j++) acc[i] += (int32_t)ab[4 * i + j] * (int32_t)bb[4 * i + j];
+    return acc;
+}
+INL vq vq_dot_s8s8(vq acc, vq a, vq b) {
+    int8_t ab[32], bb[32];
+    memcpy(ab, &a, 32);
+    memcpy(bb, &b, 32);
+    for (int i = 0; i < 8; i++)
+        for (int j = 0; j < 4; j++) acc[i] += (int32_t)ab[4 * i + j] * (int32_t)bb[4 * i + j];
+    return acc;
+}
+typedef int16_t vq_i16 __attribute__((vector_size(32)));
+INL vq vq_mul_u8s8_i16(vq a, vq b) {
+    uint8_t ab[32];
+    int8_t bb[32];
+    memcpy(ab, &a, 32);
+    memcpy(bb, &b, 32);
+    vq_i16 r;
+    for (int i = 0; i < 16; i++) {
+        const int32_t v = (int32_t)ab[2 * i] * bb[2 * i] + (int32_t)ab[2 * i + 1] * bb[2 * i + 1];
+        r[i] = (int16_t)(v > 32767 ? 32767 : v < -32768 ? -32768 : v); /* vpmaddubsw saturates */
+    }
+    return (vq)r;
+}
+INL vq vq_add_i16(vq a, vq b) { return (vq)((vq_i16)a + (vq_i16)b); }
+INL vq vq_sum_i16(vq acc, vq v) {
+    const vq_i16 h = (vq_i16)v;
+    for (int i = 0; i < 8; i++) acc[i] += (int32_t)h[2 * i] + (int32_t)h[2 * i + 1];
+    return acc;
+}
+INL vqf vqf_zero(void) { vqf r = {0}; return r; }
+INL vqf vqf_set1(float a) { vqf r; for (int i = 0; i < 8; i++) r[i] = a; return r; }
+INL vqf vqf_add(vqf a, vqf b) { return a + b; }
+INL vqf vqf_mul(vqf a, vqf b) { return a * b; }
+INL void vqf_store(float *p, vqf v) { memcpy(p, &v, 32); }
+INL vqf vq_tofloat(vq a) { return __builtin_convertvector(a, vqf); }
+INL vqf vqf_load_f16(const void *p) {
+    uint16_t h[8];
+    memcpy(h, p, 16);
+    vqf r;
+    for (int i = 0; i < 8; i++) r[i] = from_fp16(h[i]);
+    return r;
+}
+#endif
+
 /* e^x: range reduction by ln 2 and a degree-7 Taylor polynomial on [-ln2/2, ln2/2] (relative
    error < 2e-7, about one float32 ulp). */
 INL vf exp_ps(vf x) {

@@ -1,0 +1,221 @@
+/* ingot's CPU kernels for GGUF-quantized weights served as they are (issue #33), built by
+ * cpu_kernels.py (load_quant_kernels) per ISA over the vector layer of cpu_kernels_vec.h: its
+ * 8-lane integer section (vq / vqf: vpmaddubsw + vpmaddwd on AVX2, vpdpbusd with VNNI, lane
+ * loops in the portable build).
+ *
+ * Weights: Q4_0, Q4_1, Q8_0, repacked once at load (cpu_kernels.pack_quant_weight) into groups
+ * of QROWS = 8 rows. Group g, block b (32 weights of each of the 8 rows) is GB contiguous bytes:
+ *   Q4_0 (144 B): d[8] f16 | qs[4][8 rows][4 bytes]
+ *   Q4_1 (160 B): d[8] f16 | m[8] f16 | qs[4][8 rows][4 bytes]
+ *   Q8_0 (272 B): d[8] f16 | qs[8][8 rows][4 int8]
+ * Q4 chunk c, row r, byte j: low nibble = weight 8c + j, high nibble = weight 8c + 4 + j, so one
+ * 32-byte load gives every lane 4 weights of its row, as llama.cpp's repacked (8x8) layouts do.
+ * The bytes are the file's (the same f16 scales, the same nibbles): resident = file size.
+ * Rows past N (the last group's padding) are zero blocks.
+ *
+ * Activations: quantized per row and per 32 (llama.cpp's Q8_1 scheme) by
+ * ingot_quantize_q8_1: amax = max |x|, d = amax / 127, q = nearest-even(x * (127 / amax))
+ * (0 where amax is 0), sum = sum q (int), s = d * sum.
+ *
+ * Each output (row n of the weight, row m of x) is, over blocks b in order, in float32 with
+ * every operation rounded (this library is built with -ffp-contract=off: no fused multiply-add,
+ * so every build gives the same bits, which tests/unit/test_quant_kernels.py restates):
+ *   p = dw * dx;  acc = acc + p * (float)isum          (isum = sum of the 32 integer products;
+ *                                                       Q4_0: sum (q - 8) qx = isum - 8 sum)
+ *   Q4_1 only:    acc = acc + mw * sx
+ * then + bias[n] where a bias is given. Rows are independent, so a row's result is the same
+ * alone or batched, and whatever the thread count. */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_kernels_vec.h"
+
+#define QROWS 8
+#define QM 4 /* activation rows per tile: 4 accumulators + 4 integer sums fit the 16 ymm */
+#define QPREFETCH_BYTES 2048
+enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8 }; /* GGML type ids */
+
+int ingot_quant_lanes(void) { return VL; }
+int ingot_quant_dot_kind(void) { return VQ_DOT_KIND; }
+
+/* Bytes of one (group, block): 8 rows x 32 weights. 0 for a type this library does not take. */
+int64_t ingot_quant_group_bytes(int qtype) {
+    switch (qtype) {
+    case QT_Q4_0: return 144;
+    case QT_Q4_1: return 160;
+    case QT_Q8_0: return 272;
+    default: return 0;
+    }
+}
+
+/* x [M, K] (float32, or bf16 where x_bf16) -> per block of 32: xq int8 [M, K], d, s = d * sum,
+   sum (int) [M, K/32]. K % 32 == 0. */
+void ingot_quantize_q8_1(const void *x, int x_bf16, int64_t M, int64_t K, int8_t *xq, float *xd,
+                         float *xs, int32_t *xsum, int nthreads) {
+    const int64_t nb = K / 32;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (M * K >= 65536)
+    for (int64_t i = 0; i < M * nb; i++) {
+        const int64_t m = i / nb, b = i % nb;
+        float v[32];
+        if (x_bf16) {
+            const uint16_t *src = (const uint16_t *)x + m * K + 32 * b;
+            for (int j = 0; j < 32; j++) v[j] = from_bf16(src[j]);
+        } else {
+            memcpy(v, (const float *)x + m * K + 32 * b, sizeof v);
+        }
+        vf amax = vzero();
+        for (int j = 0; j < 32; j += VL) amax = vmax(amax, vabs(vload(v + j)));
+        const float a = vhmax(amax);
+        const float d = a / 127.0f, id = a != 0.0f ? 127.0f / a : 0.0f;
+        for (int j = 0; j < 32; j += VL) vstore(v + j, vround(vmul(vload(v + j), vset1(id))));
+        int32_t sum = 0;
+        int8_t *q = xq + m * K + 32 * b;
+        for (int j = 0; j < 32; j++) {
+            const int32_t qi = (int32_t)v[j];
+            q[j] = (int8_t)qi;
+            sum += qi;
+        }
+        xd[i] = d;
+        xsum[i] = sum;
+        xs[i] = d * (float)sum;
+    }
+}
+
+/* One group (8 weight rows, nb blocks at g) against mt <= QM activation rows: acc[t] lane r =
+   output (row m0 + t, weight row r). QT and mt are constants at each call (specialised). */
+INL void qtile(const int QT, const int mt, const uint8_t *g, int64_t nb, int64_t GB,
+               const int8_t *xq, const float *xd, const float *xs, const int32_t *xsum, int64_t K,
+               int prefetch, vqf *acc) {
+    for (int t = 0; t < mt; t++) acc[t] = vqf_zero();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *gb = g + b * GB;
+        if (prefetch) vprefetch(gb + QPREFETCH_BYTES), vprefetch(gb + QPREFETCH_BYTES + 64),
+                      vprefetch(gb + QPREFETCH_BYTES + 128), vprefetch(gb + QPREFETCH_BYTES + 192);
+        vq isum[QM];
+        for (int t = 0; t < mt; t++) isum[t] = vq_set1(0);
+        /* The chunk loops stay rolled (GCC otherwise computes every product of the block
+           before summing, and the 4-row tiles spill to the stack). */
+        if (QT == QT_Q8_0) {
+#pragma GCC unroll 2
+            for (int c = 0; c < 8; c++) {
+                const vq w = vq_load(gb + 16 + 32 * c);
+                for (int t = 0; t < mt; t++)
+                    isum[t] = vq_dot_s8s8(isum[t], w, vq_bcast4(xq + t * K + 32 * b + 4 * c));
+            }
+        } else {
+            const uint8_t *qs = gb + (QT == QT_Q4_1 ? 32 : 16);
+#if VQ_DOT_KIND == 2
+            for (int c = 0; c < 4; c++) {
+                const vq p = vq_load(qs + 32 * c);
+                const vq lo = vq_lo_nibbles(p), hi = vq_hi_nibbles(p);
+                for (int t = 0; t < mt; t++) {
+                    const int8_t *xb = xq + t * K + 32 * b + 8 * c;
+                    isum[t] = vq_dot_u8s8(isum[t], lo, vq_bcast4(xb));
+                    isum[t] = vq_dot_u8s8(isum[t], hi, vq_bcast4(xb + 4));
+                }
+            }
+#else
+            /* Without VNNI: the 8 pair products per lane summed in int16 (at most 8 x 2 x 15 x
+               127 = 30480) and widened once per block: one vpmaddwd per block instead of 8,
+               half the multiplier-port work that bounds the multi-row case. */
+            vq s16[QM];
+            for (int t = 0; t < mt; t++) s16[t] = vq_set1(0);
+#pragma GCC unroll 1
+            for (int c = 0; c < 4; c++) {
+                const vq p = vq_load(qs + 32 * c);
+                const vq lo = vq_lo_nibbles(p), hi = vq_hi_nibbles(p);
+                for (int t = 0; t < mt; t++) {
+                    const int8_t *xb = xq + t * K + 32 * b + 8 * c;
+                    s16[t] = vq_add_i16(s16[t], vq_mul_u8s8_i16(lo, vq_bcast4(xb)));
+                    s16[t] = vq_add_i16(s16[t], vq_mul_u8s8_i16(hi, vq_bcast4(xb + 4)));
+                }
+            }
+            for (int t = 0; t < mt; t++) isum[t] = vq_sum_i16(isum[t], s16[t]);
+#endif
+        }
+        const vqf dw = vqf_load_f16(gb);
+        for (int t = 0; t < mt; t++) {
+            const int64_t xb = t * (K / 32) + b;
+            vq s = isum[t];
+            if (QT == QT_Q4_0) s = vq_sub(s, vq_set1(8 * xsum[xb]));
+            acc[t] = vqf_add(acc[t], vqf_mul(vqf_mul(dw, vqf_set1(xd[xb])), vq_tofloat(s)));
+        }
+        if (QT == QT_Q4_1) {
+            const vqf mw = vqf_load_f16(gb + 16);
+            for (int t = 0; t < mt; t++)
+                acc[t] = vqf_add(acc[t], vqf_mul(mw, vqf_set1(xs[t * (K / 32) + b])));
+        }
+    }
+}
+
+#define QTILE_CASES(QT)                                                                       \
+    switch (mt) {                                                                             \
+    case 4: qtile(QT, 4, g, nb, GB, xqm, xdm, xsm, xsumm, K, pf, acc); break;                 \
+    case 3: qtile(QT, 3, g, nb, GB, xqm, xdm, xsm, xsumm, K, pf, acc); break;                 \
+    case 2: qtile(QT, 2, g, nb, GB, xqm, xdm, xsm, xsumm, K, pf, acc); break;                 \
+    default: qtile(QT, 1, g, nb, GB, xqm, xdm, xsm, xsumm, K, pf, acc); break;                \
+    }
+
+/* y [M, N] (float32, or bf16 where y_bf16) = x W^T (+ bias, float32 or NULL) from x's Q8_1
+   blocks (ingot_quantize_q8_1) and W repacked (above). Threads take groups of 8 weight rows
+   (dynamic chunks: a thread another process preempts leaves its share to the others), each
+   group against every activation row in tiles of QM (the group's bytes stay in L1 between
+   tiles). Returns -1 for a type this library does not take, else 0. */
+int ingot_quant_matmul(int qtype, const int8_t *xq, const float *xd, const float *xs,
+                       const int32_t *xsum, const uint8_t *w, const float *bias, void *y,
+                       int y_bf16, int64_t M, int64_t N, int64_t K, int nthreads) {
+    const int64_t GB = ingot_quant_group_bytes(qtype), nb = K / 32;
+    if (GB == 0) return -1;
+    const int64_t groups = (N + QROWS - 1) / QROWS;
+    int64_t chunk = groups / (8 * (int64_t)nthreads);
+    if (chunk < 1) chunk = 1;
+#pragma omp parallel for schedule(dynamic, chunk) num_threads(nthreads)
+    for (int64_t gi = 0; gi < groups; gi++) {
+        const uint8_t *g = w + gi * nb * GB;
+        const int64_t rows = N - gi * QROWS < QROWS ? N - gi * QROWS : QROWS;
+        for (int64_t m0 = 0; m0 < M; m0 += QM) {
+            const int mt = M - m0 < QM ? (int)(M - m0) : QM;
+            const int8_t *xqm = xq + m0 * K;
+            const float *xdm = xd + m0 * nb, *xsm = xs + m0 * nb;
+            const int32_t *xsumm = xsum + m0 * nb;
+            const int pf = m0 == 0;
+            vqf acc[QM];
+            if (qtype == QT_Q4_0) { QTILE_CASES(QT_Q4_0) }
+            else if (qtype == QT_Q4_1) { QTILE_CASES(QT_Q4_1) }
+            else { QTILE_CASES(QT_Q8_0) }
+            for (int t = 0; t < mt; t++) {
+                float out[QROWS];
+                vqf_store(out, acc[t]);
+                const int64_t base = (m0 + t) * N + gi * QROWS;
+                for (int64_t r = 0; r < rows; r++) {
+                    float v = out[r];
+                    if (bias) v = v + bias[gi * QROWS + r];
+                    if (y_bf16) ((uint16_t *)y)[base + r] = to_bf16(v);
+                    else ((float *)y)[base + r] = v;
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* Both steps in one call (one ctypes call per linear): x [M, K] (float32, or bf16 where
+   x_bf16) quantized into buffers of its own, then ingot_quant_matmul. Returns -2 where the
+   buffers could not be allocated, -1 for a type this library does not take, else 0. */
+int ingot_quant_linear(int qtype, const void *x, int x_bf16, const uint8_t *w, const float *bias,
+                       void *y, int y_bf16, int64_t M, int64_t N, int64_t K, int nthreads) {
+    if (ingot_quant_group_bytes(qtype) == 0) return -1;
+    const int64_t nblk = M * (K / 32);
+    int8_t *xq = malloc((size_t)(M * K) + (size_t)nblk * 12);
+    if (!xq) return -2;
+    float *xd = (float *)(xq + M * K), *xs = xd + nblk; /* M K is a multiple of 32: aligned */
+    int32_t *xsum = (int32_t *)(xs + nblk);
+    ingot_quantize_q8_1(x, x_bf16, M, K, xq, xd, xs, xsum, nthreads);
+    const int status = ingot_quant_matmul(qtype, xq, xd, xs, xsum, w, bias, y, y_bf16, M, N, K,
+                                          nthreads);
+    free(xq);
+    return status;
+}

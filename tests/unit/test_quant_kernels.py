@@ -1,0 +1,299 @@
+"""ingot's GGUF-quantized kernels (cpu_kernels_quant.c) against their float32 restatement: the
+file's blocks dequantized as the ``gguf`` package does, activations quantized per 32 as the
+kernel states (llama.cpp's Q8_1 scheme), and the kernel's accumulation order restated in numpy
+float32, every operation rounded. The library is built without fused multiply-adds, so each build
+must equal the restatement bit for bit; the result must also sit within the accumulation's
+rounding bound of the float64 product of the dequantized operands. Broken twins (a block's scale
+or min ignored, rows repacked out of order) must fail both checks.
+
+Every kernel test runs each build of :data:`cpu_kernels.QUANT_ISAS` (the ``qk`` fixture): the
+builds this CPU runs are tested, the others skip with the reason."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ingot.model_executor.layers import cpu_kernels
+
+gguf = pytest.importorskip("gguf")
+from gguf.quants import dequantize, quantize  # noqa: E402
+
+QTYPES = tuple(cpu_kernels.QUANT_TYPES)
+
+
+_RUNS = cpu_kernels.quant_isas()
+
+
+@pytest.fixture(params=[isa for isa in cpu_kernels.QUANT_ISAS if isa in _RUNS])
+def qk(request) -> cpu_kernels.QuantKernels:
+    """Each build of the quantized library this CPU runs, in turn (the others: one skip each,
+    below)."""
+    kernels = cpu_kernels.load_quant_kernels(request.param)
+    if kernels is None:
+        pytest.skip(f"the {request.param} build of the quantized kernels does not build here "
+                    "(no C compiler)")
+    return kernels
+
+
+@pytest.mark.parametrize("isa", [isa for isa in cpu_kernels.QUANT_ISAS if isa not in _RUNS])
+def test_builds_this_cpu_cannot_run(isa):
+    pytest.skip(f"this CPU does not run the {isa} build of the quantized kernels: its tests "
+                "run on a CPU that does")
+
+
+def _ggml(qtype: str):  # noqa: ANN202
+    return getattr(gguf.GGMLQuantizationType, qtype)
+
+
+def _weights(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """The file's bytes of random [n, k] weights (rows of different scales, one zero block)."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) * rng.uniform(0.01, 2.0, (n, 1))).astype(np.float32)
+    w[0, :32] = 0.0  # d = 0 (and Q4_1's m = 0): a block that contributes nothing
+    if k > 32 and n > 1:
+        w[-1, 32:64] += 3.0  # Q4_1: a block far from zero, a large min
+    return quantize(w, _ggml(qtype))
+
+
+def _parts(raw: np.ndarray, qtype: str, n: int, k: int):  # noqa: ANN202
+    """(q [N, K] int64 as stored: Q4 0..15, Q8_0 -128..127; d [N, K/32] float32; m or None)."""
+    _, block_bytes, _ = cpu_kernels.QUANT_TYPES[qtype]
+    blocks = raw.reshape(n, k // 32, block_bytes)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if qtype == "Q8_0":
+        return blocks[..., 2:].copy().view(np.int8).reshape(n, k).astype(np.int64), d, None
+    first = 4 if qtype == "Q4_1" else 2
+    qs = blocks[..., first:first + 16]
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(n, k).astype(np.int64)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if qtype == "Q4_1" else None
+    return q, d, m
+
+
+def _signed(q: np.ndarray, qtype: str) -> np.ndarray:
+    return q - 8 if qtype == "Q4_0" else q  # Q4_0 stores q + 8
+
+
+def _dequantized(raw: np.ndarray, qtype: str, n: int, k: int) -> np.ndarray:
+    q, d, m = _parts(raw, qtype, n, k)
+    w = np.repeat(d, 32, axis=1) * _signed(q, qtype).astype(np.float32)
+    return w + np.repeat(m, 32, axis=1) if m is not None else w
+
+
+def _q8_1(x: np.ndarray):  # noqa: ANN202
+    """The kernel's activation quantization restated: per block of 32, in float32."""
+    rows, k = x.shape
+    blocks = x.astype(np.float32).reshape(rows, k // 32, 32)
+    amax = np.abs(blocks).max(axis=-1)
+    d = amax / np.float32(127)
+    inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax != 0)
+    q = np.rint(blocks * inv[..., None]).astype(np.int64)  # nearest, ties to even
+    total = q.sum(axis=-1)
+    return q.reshape(rows, k), d, d * total.astype(np.float32), total
+
+
+def _restated(raw: np.ndarray, qtype: str, n: int, k: int, x: np.ndarray,
+              bias: np.ndarray | None = None) -> np.ndarray:
+    """The kernel's stated float32 order: per block b, acc = acc + (dw * dx) * isum, then (Q4_1)
+    acc = acc + mw * sx; then + bias."""
+    q, d, m = _parts(raw, qtype, n, k)
+    xq, xd, xs, _ = _q8_1(x)
+    nb = k // 32
+    isum = np.einsum("nbj,mbj->mnb", _signed(q, qtype).reshape(n, nb, 32),
+                     xq.reshape(-1, nb, 32))
+    acc = np.zeros((x.shape[0], n), dtype=np.float32)
+    for b in range(nb):
+        p = d[None, :, b] * xd[:, None, b]
+        acc = acc + p * isum[:, :, b].astype(np.float32)
+        if m is not None:
+            acc = acc + m[None, :, b] * xs[:, None, b]
+    return acc + bias.astype(np.float32) if bias is not None else acc
+
+
+def _within_accumulation_bound(y: np.ndarray, raw: np.ndarray, qtype: str, n: int, k: int,
+                               x: np.ndarray) -> bool:
+    """|y - W_deq (dx qx)| in float64 within the float32 accumulation's rounding bound: per
+    block at most 3 roundings of its terms and 2 of the running sum, each 2^-24 relative."""
+    q, d, m = _parts(raw, qtype, n, k)
+    xq, xd, xs, _ = _q8_1(x)
+    nb = k // 32
+    x_deq = (np.repeat(xd, 32, axis=1) * xq).astype(np.float64)
+    exact = x_deq @ _dequantized(raw, qtype, n, k).astype(np.float64).T
+    terms = np.abs(np.einsum("nbj,mbj->mnb", _signed(q, qtype).reshape(n, nb, 32).astype(np.float64),
+                             xq.reshape(-1, nb, 32).astype(np.float64))
+                   * d[None].astype(np.float64) * xd[:, None].astype(np.float64)).sum(-1)
+    if m is not None:
+        terms = terms + np.abs(m[None].astype(np.float64) * xs[:, None].astype(np.float64)).sum(-1)
+    return bool((np.abs(y.astype(np.float64) - exact) <= (3 + 2 * nb) * 2.0**-24 * terms).all())
+
+
+def _run(qk, raw, qtype, n, k, x, bias=None, packed=None, threads=None):  # noqa: ANN001, ANN202
+    packed = cpu_kernels.pack_quant_weight(raw, qtype, n, k) if packed is None else packed
+    b = None if bias is None else torch.from_numpy(bias)
+    return cpu_kernels.quant_matmul(qk, torch.from_numpy(x), packed, qtype, n, b,
+                                    out_dtype=torch.float32, threads=threads).numpy()
+
+
+def _matches(y: np.ndarray, raw: np.ndarray, qtype: str, n: int, k: int, x: np.ndarray) -> bool:
+    return np.array_equal(y, _restated(raw, qtype, n, k, x)) and \
+        _within_accumulation_bound(y, raw, qtype, n, k, x)
+
+
+# ---- the restatement itself -----------------------------------------------------------------
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_restatement_dequantizes_as_the_gguf_package(qtype):
+    raw = _weights(qtype, 13, 96)
+    assert np.array_equal(_dequantized(raw, qtype, 13, 96), dequantize(raw, _ggml(qtype)))
+
+
+# ---- activations -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("m", "k"), [(1, 32), (3, 96), (5, 576)])
+def test_activation_quantization_equals_its_restatement(qk, dtype, m, k):
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+    x[0, :32] = 0  # amax 0: q, d, s all 0
+    if k > 32:  # amax 127 -> scale 1: x * 1 lands on ties (2.5, -3.5, 0.5) that round to even
+        x[-1, 32:64] = torch.tensor([127.0, 2.5, -3.5, 0.5] + [1.0] * 28)
+    q, d, s, total = cpu_kernels.quantize_q8_1(qk, x)
+    rq, rd, rs, rtotal = _q8_1(x.float().numpy())
+    assert np.array_equal(q.numpy(), rq) and np.array_equal(total.numpy(), rtotal)
+    assert np.array_equal(d.numpy(), rd) and np.array_equal(s.numpy(), rs)
+    if k > 32:
+        assert q[-1, 33:36].tolist() == [2, -4, 0]
+
+
+# ---- the kernel ------------------------------------------------------------------------------
+
+# (rows of x, weight rows, K): 8-row groups with tails, 4-row activation tiles with tails,
+# one block and many
+_SHAPES = [(1, 8, 32), (1, 37, 96), (2, 13, 576), (3, 1, 64), (4, 960, 576), (5, 17, 1536),
+           (9, 24, 160), (1, 7, 32)]
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize(("m", "n", "k"), _SHAPES)
+def test_kernel_equals_its_float32_restatement(qk, qtype, m, n, k):
+    raw = _weights(qtype, n, k, seed=n + k)
+    x = (np.random.default_rng(m).standard_normal((m, k)) * 3).astype(np.float32)
+    y = _run(qk, raw, qtype, n, k, x)
+    assert y.shape == (m, n)
+    assert np.array_equal(y, _restated(raw, qtype, n, k, x))
+    assert _within_accumulation_bound(y, raw, qtype, n, k, x)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_bias_and_bf16_in_and_out(qk, qtype):
+    n, k = 19, 96
+    raw = _weights(qtype, n, k)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    bias = np.random.default_rng(1).standard_normal(n).astype(np.float32)
+    packed = cpu_kernels.pack_quant_weight(raw, qtype, n, k)
+    y = cpu_kernels.quant_matmul(qk, x, packed, qtype, n, torch.from_numpy(bias))
+    assert y.dtype == torch.bfloat16
+    restated = torch.from_numpy(_restated(raw, qtype, n, k, x.float().numpy(), bias))
+    assert torch.equal(y, restated.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_batched_rows_equal_rows_alone_bit_for_bit(qk, qtype, threads):
+    n, k = 45, 192
+    raw = _weights(qtype, n, k, seed=7)
+    x = np.random.default_rng(7).standard_normal((11, k)).astype(np.float32)
+    packed = cpu_kernels.pack_quant_weight(raw, qtype, n, k)
+    batched = _run(qk, raw, qtype, n, k, x, packed=packed, threads=threads)
+    for i in range(x.shape[0]):
+        alone = _run(qk, raw, qtype, n, k, x[i:i + 1], packed=packed, threads=1)
+        assert np.array_equal(batched[i:i + 1], alone)
+
+
+@pytest.fixture(scope="module")
+def default_model_tensors(default_gguf_path) -> list[tuple[str, int, np.ndarray]]:
+    """(type, K, the file's bytes) of layer 0's Q4_1 q projection and of the first 512 rows of
+    the Q8_0 embedding / LM head, read once (the reader parses the whole file)."""
+    reader = gguf.GGUFReader(default_gguf_path)
+    tensors = {t.name: t for t in reader.tensors}
+    out = []
+    for name, rows in (("blk.0.attn_q.weight", None), ("token_embd.weight", 512)):
+        t = tensors[name]
+        raw = np.array(np.asarray(t.data).reshape(int(t.shape[1]), -1)[:rows])
+        out.append((t.tensor_type.name, int(t.shape[0]), raw))
+    return out
+
+
+def test_the_default_models_own_tensors(qk, default_model_tensors):
+    x = np.random.default_rng(0).standard_normal((2, 576)).astype(np.float32)
+    assert [qtype for qtype, _, _ in default_model_tensors] == ["Q4_1", "Q8_0"]
+    for qtype, k, raw in default_model_tensors:
+        n = raw.shape[0]
+        assert np.array_equal(_run(qk, raw, qtype, n, k, x), _restated(raw, qtype, n, k, x))
+
+
+# ---- broken twins: each must fail the checks -------------------------------------------------
+
+def _f16_bytes(value: float) -> torch.Tensor:
+    return torch.from_numpy(np.array([value], dtype=np.float16).view(np.uint8).copy())
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_twin_with_a_blocks_scale_ignored_fails(qk, qtype):
+    n, k = 16, 96
+    raw = _weights(qtype, n, k, seed=3)
+    x = np.random.default_rng(3).standard_normal((2, k)).astype(np.float32)
+    packed = cpu_kernels.pack_quant_weight(raw, qtype, n, k)
+    assert _matches(_run(qk, raw, qtype, n, k, x, packed=packed), raw, qtype, n, k, x)
+    packed[1, 2, 2 * 5:2 * 5 + 2] = _f16_bytes(1.0)  # row 13, block 2: scale read as 1
+    assert not _matches(_run(qk, raw, qtype, n, k, x, packed=packed), raw, qtype, n, k, x)
+
+
+def test_twin_with_a_blocks_min_ignored_fails(qk):
+    n, k = 16, 96
+    raw = _weights("Q4_1", n, k, seed=4)
+    x = np.random.default_rng(4).standard_normal((2, k)).astype(np.float32)
+    packed = cpu_kernels.pack_quant_weight(raw, "Q4_1", n, k)
+    packed[0, 1, 16 + 2 * 3:16 + 2 * 3 + 2] = 0  # row 3, block 1: min dropped
+    assert not _matches(_run(qk, raw, "Q4_1", n, k, x, packed=packed), raw, "Q4_1", n, k, x)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("swap", [(0, 1), (3, 11)])  # within a group, across groups
+def test_twin_with_rows_repacked_out_of_order_fails(qk, qtype, swap):
+    n, k = 16, 64
+    raw = _weights(qtype, n, k, seed=5)
+    x = np.random.default_rng(5).standard_normal((2, k)).astype(np.float32)
+    order = list(range(n))
+    order[swap[0]], order[swap[1]] = order[swap[1]], order[swap[0]]
+    packed = cpu_kernels.pack_quant_weight(raw[order], qtype, n, k)
+    assert not _matches(_run(qk, raw, qtype, n, k, x, packed=packed), raw, qtype, n, k, x)
+
+
+# ---- packing ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_packed_bytes_are_the_files_rearranged(qtype):
+    n, k = 13, 64
+    raw = _weights(qtype, n, k)
+    packed = cpu_kernels.pack_quant_weight(raw, qtype, n, k)
+    groups = -(-n // cpu_kernels.QUANT_GROUP_ROWS)
+    assert packed.shape == (groups, k // 32, cpu_kernels.QUANT_TYPES[qtype][2])
+    # the same multiset of bytes as the file plus zero padding rows (nibbles regrouped for Q4)
+    if qtype == "Q8_0":
+        padding = (groups * 8 - n) * raw.shape[1]
+        assert sorted(packed.flatten().tolist()) == sorted(raw.flatten().tolist() + [0] * padding)
+    assert packed.numel() == groups * 8 * raw.shape[1]
+
+
+def test_pack_rejects_other_types_and_partial_blocks():
+    with pytest.raises(ValueError, match="no quantized kernel for Q5_0"):
+        cpu_kernels.pack_quant_weight(np.zeros((1, 22), np.uint8), "Q5_0", 1, 32)
+    with pytest.raises(ValueError, match="not whole 32-weight blocks"):
+        cpu_kernels.pack_quant_weight(np.zeros((1, 20), np.uint8), "Q4_1", 1, 48)
+
+
+def test_matmul_rejects_a_mismatched_width(qk):
+    packed = cpu_kernels.pack_quant_weight(_weights("Q8_0", 8, 64), "Q8_0", 8, 64)
+    with pytest.raises(ValueError, match="does not take 96-wide activations"):
+        cpu_kernels.quant_matmul(qk, torch.zeros(1, 96), packed, "Q8_0", 8)
