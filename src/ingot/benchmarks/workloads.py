@@ -55,6 +55,18 @@ def result_line(name: str, n: int, inp: int, out: int, seconds: float, generated
     )
 
 
+def ran_with(llm: Any) -> str:
+    """``dtype=bfloat16 kernels=avx2``: the model's dtype and the builds of ingot's CPU
+    libraries its layers run (``kernels=none``: torch ops only; ``bf16:avx2,f32:avx2`` where
+    the layers run both libraries), as the worker bound them."""
+    builds = llm.llm_engine.startup_stats()["cpu_kernels"]
+    isas = set(builds.values())
+    kernels = (next(iter(isas)) if len(isas) == 1
+               else ",".join(f"{lib}:{isa}" for lib, isa in builds.items()) or "none")
+    return f"dtype={str(llm.llm_engine.model_config.dtype).removeprefix('torch.')} " \
+           f"kernels={kernels}"
+
+
 def run_workloads(
     engine_args: EngineArgs,
     names: list[str],
@@ -88,7 +100,8 @@ def run_workloads(
     start = time.perf_counter()
     kwargs: dict[str, Any] = {k: v for k, v in vars(engine_args).items() if k != "model"}
     llm = LLM(engine_args.model, **kwargs)
-    lines.append(f"RESULT workload=startup engine=ingot time_s={time.perf_counter() - start:.2f}")
+    lines.append(f"RESULT workload=startup engine=ingot time_s={time.perf_counter() - start:.2f} "
+                 + ran_with(llm))
     print(lines[-1], flush=True)
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=4))
     with contention(contend):

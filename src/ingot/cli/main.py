@@ -434,8 +434,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the route to load; chat prompts are written as words "
                     "(default: %(default)s)")
     add_engine_args(bench)
-    # The peer script's settings, so both engines do identical work.
-    bench.set_defaults(func=cmd_bench, dtype="bfloat16", max_model_len=2048, max_num_seqs=64,
+    # The peer script's settings, so both engines do identical work; the dtype is serve's
+    # (auto: the fastest this CPU computes), printed on the startup RESULT line.
+    bench.set_defaults(func=cmd_bench, max_model_len=2048, max_num_seqs=64,
                        max_num_batched_tokens=2048)
 
     comp = sub.add_parser(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.util
 import json
 import logging
@@ -21,6 +22,8 @@ import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from ingot.buckets import BucketGrid
 from ingot.config import (
@@ -59,8 +62,21 @@ from ingot.engine.model_resolution import (
     resolve_model_path,
     st_config,
 )
+from ingot.platforms.interface import dtype_name
 
 logger = logging.getLogger("ingot")
+
+
+def _bf16_kernel_isa(platform: Any) -> str | None:
+    """The ISA of ingot's vector bf16 CPU kernels serving here (None: none, or not a CPU), for
+    the platform's dtype rules. The engine asks and passes the answer down because platforms/
+    sits below model_executor/ (the layer contract); loading here builds the library once per
+    machine, and the worker then loads the same build."""
+    if platform.device_type != "cpu":
+        return None
+    from ingot.model_executor.layers.cpu_kernels import bf16_kernel_isa
+
+    return bf16_kernel_isa()
 
 
 # ---- command-line flags ------------------------------------------------------------------
@@ -252,6 +268,19 @@ class EngineArgs:
             raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}")
         return value
 
+    def _dtype(self, hf_config: Any, platform: Any, encoder_only: bool) -> torch.dtype:
+        """The model's dtype: ``auto`` by the platform's rule (logged with why), else the one
+        given (with a warning where this CPU only emulates it)."""
+        kernels = functools.partial(_bf16_kernel_isa, platform)
+        dtype = parse_dtype(self.dtype)
+        if dtype is None:
+            dtype, reason = auto_dtype(hf_config, platform, encoder_only, kernels)
+            logger.info("dtype auto -> %s: %s", dtype_name(dtype), reason)
+        elif dtype in (torch.bfloat16, torch.float16) and \
+                (warning := platform.dtype_warning(dtype, kernels())):
+            logger.warning("%s", warning)
+        return platform.check_dtype(dtype)
+
     def create_engine_config(self) -> EngineConfig:
         from ingot.platforms import resolve_platform
 
@@ -274,8 +303,7 @@ class EngineArgs:
         runner, convert, pooler = self._pooling(model_cls, path, hf_config)
         encoder_only = bool(getattr(model_cls, "is_encoder_only", False))
 
-        dtype = parse_dtype(self.dtype) or auto_dtype(hf_config, fmt, platform, encoder_only)
-        platform.check_dtype(dtype)
+        dtype = self._dtype(hf_config, platform, encoder_only)
 
         derived_max = int(getattr(hf_config, "max_position_embeddings", 2048))
         max_model_len = self.max_model_len

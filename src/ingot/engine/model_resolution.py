@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import torch
 
 from ingot.config import DTYPES, ModelConfig, SpeculativeConfig
 from ingot.errors import ModelNotFoundError
+from ingot.platforms.interface import DtypeChoice
 
 
 def resolve_model_path(model: str | None, default_embedder: bool = False) -> tuple[str, str]:
@@ -65,20 +67,21 @@ def load_hf_config(path: str, fmt: str) -> tuple[Any, dict[str, Any]]:
     return config, gen
 
 
-def auto_dtype(hf_config: Any, fmt: str, platform: Any, prefill_only: bool = False) -> torch.dtype:
-    """vLLM's rule: keep bf16/fp16 checkpoints, cast fp32 checkpoints down to half precision;
-    on platforms without that dtype fall back to the platform default. ``prefill_only`` (an
-    encoder): the platform's dtype for compute-bound models when that is float32 (a CPU
-    without AMX: float32 computes faster there, and a half checkpoint widens exactly)."""
+def auto_dtype(hf_config: Any, platform: Any, prefill_only: bool = False,
+               bf16_kernels: Callable[[], str | None] = lambda: None) -> DtypeChoice:
+    """The dtype ``auto`` picks, with why. ``prefill_only`` (an encoder): the platform's dtype
+    for compute-bound models when that is float32 (a CPU without AMX: float32 computes faster
+    there, and a half checkpoint widens exactly). Otherwise the platform's rule for a model
+    that decodes (``Platform.auto_dtype``: vLLM's on CUDA, the fastest dtype the CPU computes
+    on CPU). ``bf16_kernels`` gives the ISA of ingot's vector bf16 CPU kernels serving here
+    (None: none does); asked only where the rule needs it, since the first ask builds them."""
     if prefill_only and platform.prefill_only_dtype() == torch.float32:
-        return torch.float32
+        return DtypeChoice(torch.float32, "an encoder only prefills (compute-bound), and float32 "
+                           "computes faster than bf16 on this CPU (no AMX)")
     declared = getattr(hf_config, "dtype", None)
     if isinstance(declared, str):
         declared = DTYPES.get(declared)
-    preferred = platform.default_dtype()
-    if declared in (torch.bfloat16, torch.float16) and declared in platform.supported_dtypes:
-        return declared
-    return preferred
+    return platform.auto_dtype(declared, bf16_kernels())
 
 
 def apply_hf_overrides(hf_config: Any, overrides: dict[str, Any]) -> None:

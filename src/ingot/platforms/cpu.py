@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import torch
 
-from ingot.platforms.interface import DeviceLike, Platform
+from ingot.platforms.interface import DeviceLike, DtypeChoice, Platform, dtype_name
 
 _CPUINFO = "/proc/cpuinfo"
 _MEMINFO = "/proc/meminfo"
@@ -17,8 +17,15 @@ _CGROUP_MAX = "/sys/fs/cgroup/memory.max"
 _CGROUP_CURRENT = "/sys/fs/cgroup/memory.current"
 
 # x86 flags (avx512_bf16, amx_bf16: native bf16 math; avx512f: oneDNN's fast bf16 path) and the
-# aarch64 "bf16" feature. Without any of these bf16 is emulated and slower than fp32.
+# aarch64 "bf16" feature. Without any of these (and without ingot's bf16 kernels) bf16 is
+# emulated and slower than fp32.
 _BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "avx512f", "bf16"})
+# What emulated bf16 costs, measured (issue #32) on an AMD EPYC (Zen 3, 2 vCPUs, AVX2 + FMA)
+# with torch's bf16 ops and no ingot kernels, default model; said where it would happen.
+_EMULATED_BF16_COST = (
+    "measured on an AVX2 AMD EPYC without ingot's kernels, a 1024-token prefill took 27.3 s in "
+    "bf16 against 6.4 s in float32 (4.3x)"
+)
 
 
 @functools.lru_cache(maxsize=1)
@@ -93,6 +100,63 @@ class CpuPlatform(Platform):
     @classmethod
     def supports_bf16(cls) -> bool:
         return torch.backends.mkldnn.is_available() and bool(_cpu_flags() & _BF16_FLAGS)
+
+    @classmethod
+    def bf16_full_speed(cls, bf16_kernels: str | None) -> str | None:
+        """Why bf16 computes at full speed on this CPU, or None where torch would emulate it.
+        Full speed: ingot's bf16 kernels in a vector build serve bf16 models here
+        (``bf16_kernels``, its ISA: bf16 in memory, float32 arithmetic in registers where the
+        CPU has no bf16 dot product), or the CPU has native bf16 (:meth:`supports_bf16`)."""
+        if bf16_kernels is not None:
+            # The avx512_bf16 build is the one with vdpbf16ps (cpu_kernels.ISAS).
+            math = "bf16 dot products" if bf16_kernels == "avx512_bf16" else "float32 arithmetic"
+            return f"bf16 weights on ingot's {bf16_kernels} kernels ({math}, half the bytes of " \
+                   "float32)"
+        if cls.supports_bf16():
+            flags = ", ".join(sorted(_cpu_flags() & _BF16_FLAGS))
+            return f"this CPU computes bf16 natively ({flags}: oneDNN's bf16 path)"
+        return None
+
+    @classmethod
+    def auto_dtype(cls, declared: torch.dtype | None, bf16_kernels: str | None) -> DtypeChoice:
+        """The CPU's ``auto`` for a model that decodes: the fastest dtype this CPU computes,
+        never emulated half precision. bfloat16 where bf16 runs at full speed
+        (:meth:`bf16_full_speed`), else float32, whatever the checkpoint's dtype: a float16
+        checkpoint computes in bf16 where that is fast (as vLLM's CPU backend casts it; ingot's
+        kernels are bf16, and torch's float16 ops are emulated on CPUs without float16
+        arithmetic), and a half-precision checkpoint widens to float32 exactly."""
+        fast = cls.bf16_full_speed(bf16_kernels)
+        if fast is not None:
+            cast = ("; a float16 checkpoint computes in bfloat16 on CPU (as on vLLM's CPU "
+                    "backend)" if declared == torch.float16 else "")
+            return DtypeChoice(torch.bfloat16, fast + cast)
+        widen = (f"; the {dtype_name(declared)} checkpoint widens exactly"
+                 if declared in (torch.bfloat16, torch.float16) else "")
+        return DtypeChoice(torch.float32, "this CPU has no bf16 arithmetic and no vector build of "
+                           "ingot's bf16 kernels serves here, so bf16 would be emulated" + widen)
+
+    @classmethod
+    def dtype_warning(cls, dtype: torch.dtype, bf16_kernels: str | None) -> str | None:
+        """An explicit half precision this CPU only emulates: bf16 or float16 without
+        :meth:`bf16_full_speed`; float16 also where bf16 is fast (ingot's kernels are bf16)."""
+        if dtype not in (torch.bfloat16, torch.float16):
+            return None
+        name = dtype_name(dtype)
+        fast = cls.bf16_full_speed(bf16_kernels)
+        if fast is None:
+            return (
+                f"dtype {name} on a CPU that only emulates it: no bf16 arithmetic here and no "
+                "vector build of ingot's bf16 kernels (INGOT_CPU_KERNELS=0, no C compiler, or "
+                f"no AVX2 + FMA), so torch emulates {name} matmuls; {_EMULATED_BF16_COST}. "
+                "Pass --dtype float32 (or auto, which picks it here)"
+            )
+        if dtype == torch.float16:
+            return (
+                "dtype float16 on CPU runs none of ingot's kernels (they are bf16) and computes "
+                "torch's float16 ops, emulated on CPUs without float16 arithmetic. Pass --dtype "
+                f"bfloat16 (or auto, which picks it here: {fast})"
+            )
+        return None
 
     @classmethod
     def bf16_matmul_faster(cls) -> bool:

@@ -8,7 +8,7 @@ keep in sync between workers.
 from __future__ import annotations
 
 import random
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -18,6 +18,13 @@ DeviceLike = torch.device | str | int | None
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"``, the spelling users type on the command line."""
     return str(dtype).removeprefix("torch.")
+
+
+class DtypeChoice(NamedTuple):
+    """The dtype ``auto`` picks, and why (logged once at start-up)."""
+
+    dtype: torch.dtype
+    reason: str
 
 
 class Platform:
@@ -49,6 +56,26 @@ class Platform:
         if torch.bfloat16 in cls.supported_dtypes and cls.supports_bf16():
             return torch.bfloat16
         return torch.float32
+
+    @classmethod
+    def auto_dtype(cls, declared: torch.dtype | None, bf16_kernels: str | None) -> DtypeChoice:
+        """``auto`` for a model that decodes, from the checkpoint's dtype (``declared``; None:
+        not stated, as float32). vLLM's rule: keep a bf16/fp16 checkpoint's dtype where the
+        platform lists it, otherwise the platform default. ``bf16_kernels`` (the ISA of
+        ingot's vector bf16 CPU kernels serving here, or None) is for the CPU's rule."""
+        name = dtype_name(declared) if declared is not None else "float32"
+        if declared in (torch.bfloat16, torch.float16) and declared in cls.supported_dtypes:
+            return DtypeChoice(declared, f"the checkpoint's dtype ({cls.name} computes it)")
+        default = cls.default_dtype()
+        why = ("half precision where the device computes bf16" if default == torch.bfloat16
+               else "no native bf16 here")
+        return DtypeChoice(default, f"a {name} checkpoint on {cls.name}: {why}")
+
+    @classmethod
+    def dtype_warning(cls, dtype: torch.dtype, bf16_kernels: str | None) -> str | None:
+        """What an explicit ``dtype`` costs here where it runs far below this platform's
+        speed (None: nothing to say)."""
+        return None
 
     @classmethod
     def prefill_only_dtype(cls) -> torch.dtype:

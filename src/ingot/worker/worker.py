@@ -270,16 +270,16 @@ class Worker:
         start = time.perf_counter()
         self.model = load_model(config.model_config, self.device)
         # Compiled layers run on their plain weights: packing keeps them beside the copies.
-        self.attn_backend, self.bound = self._bind(self.model, config.model_config.dtype,
-                                                   keep_plain=config.compilation.enabled)
+        self.attn_backend, self.bound, self.kernel_builds = self._bind(
+            self.model, config.model_config.dtype, keep_plain=config.compilation.enabled)
         # Speculative decoding's draft model, beside the target (its heads may differ).
         spec = config.speculative_config
         self.draft_model = None
         self.draft_bound: Bound | None = None
         if spec is not None and spec.draft_model_config is not None:
             self.draft_model = load_model(spec.draft_model_config, self.device)
-            _, self.draft_bound = self._bind(self.draft_model, spec.draft_model_config.dtype,
-                                             keep_plain=False)
+            _, self.draft_bound, _ = self._bind(self.draft_model,
+                                                spec.draft_model_config.dtype, keep_plain=False)
         self.load_seconds = time.perf_counter() - start  # loading and binding (packing)
         # What the weights occupy, the kernels' derived layouts included (the KV budget is
         # what memory they leave).
@@ -300,19 +300,26 @@ class Worker:
         self.warmup_seconds = 0.0
 
     def _bind(self, model: torch.nn.Module, dtype: torch.dtype,
-              keep_plain: bool) -> tuple[AttentionBackend, Bound]:
+              keep_plain: bool) -> tuple[AttentionBackend, Bound, dict[str, str]]:
         """The one binding step of a loaded model: its kernels and its attention backend,
-        each chosen once here, handed to its layers by ``bind``. Returns the backend and what
-        binding built (the backend's decode program for the model)."""
+        each chosen once here, handed to its layers by ``bind``. Returns the backend, what
+        binding built (the backend's decode program for the model) and the builds of ingot's
+        CPU libraries its layers run (``{"bf16": "avx2"}``)."""
         kernels = select_kernels(model, dtype, self.device, keep_plain)
         heads = attention_heads(model)
         # An encoder's attention is not over a KV cache: no backend to choose.
         backend = TORCH_ATTENTION if heads is None else select_attention_backend(
             self.device, dtype, self.kv_dtype, self.config.compilation.enabled, heads)
         bound = bind(model, backend, kernels)
+        # The libraries the layers asked for (each loads on a layer's first ask, into
+        # Kernels' cached properties): read them, never load one here.
+        builds = {name: lib.isa for name in ("bf16", "f32")
+                  if bound.kernel_layers and (lib := vars(kernels).get(name)) is not None}
         logger.info("bound %s: %.1f MB resident (derived kernel layouts included), %d layers "
-                    "on ingot's CPU kernels", type(model).__name__,
-                    resident_weight_bytes(model) / 2**20, bound.kernel_layers)
+                    "on ingot's CPU kernels%s", type(model).__name__,
+                    resident_weight_bytes(model) / 2**20, bound.kernel_layers,
+                    f" ({', '.join(f'{lib}: {isa}' for lib, isa in builds.items())})"
+                    if builds else "")
         if heads is not None:
             logger.info("attention backend: %s (%s, KV cache %s%s)%s", backend.name,
                         str(dtype).removeprefix("torch."),
@@ -320,7 +327,7 @@ class Worker:
                         ", compiled" if self.config.compilation.enabled else "",
                         "; decode steps run its decode program"
                         if bound.decode_program is not None else "")
-        return backend, bound
+        return backend, bound, builds
 
     def determine_num_blocks(self) -> int:
         # Memory still free now, plus what the weights took: the total before loading.
@@ -367,6 +374,8 @@ class Worker:
             "compile_seconds": self.compile_seconds,
             "warmup_seconds": self.warmup_seconds,
             "num_blocks": self.num_blocks,
+            # The builds of ingot's CPU libraries the model's layers run ({} for none).
+            "cpu_kernels": self.kernel_builds,
             "pid": os.getpid(),
             "node_rank": self.config.parallel_config.node_rank,  # TP across nodes: its node
             # MoE: the first MoE layer's experts here, (first, count) (None: a dense model).

@@ -300,6 +300,16 @@ def load_cpu_kernels(isa: str | None = None) -> CpuKernels | None:
     return _load(f"bf16-{isa}", _SOURCE_PATH, flags, lambda lib: CpuKernels(lib, isa))
 
 
+def bf16_kernel_isa() -> str | None:
+    """The ISA of the bf16 library's build that serves bf16 models here when it is a vector
+    build (avx2 or wider: bf16 at full speed, in float32 registers where the CPU has no bf16
+    dot product); None where none loads (``INGOT_CPU_KERNELS=0``, no compiler, a failed build)
+    or only the portable one does. The CPU's ``auto`` dtype asks it (engine/arg_utils.py:
+    platforms cannot import this layer, so the engine passes the answer in)."""
+    kernels = load_cpu_kernels()
+    return None if kernels is None or kernels.isa == "portable" else kernels.isa
+
+
 def load_f32_kernels(isa: str | None = None) -> F32Kernels | None:
     """The float32 kernels for ``isa`` (one of :data:`F32_ISAS`; default: the widest this CPU
     runs), built and loaded once per process; None where they cannot be used."""
