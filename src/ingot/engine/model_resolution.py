@@ -76,8 +76,9 @@ def auto_dtype(hf_config: Any, platform: Any, prefill_only: bool = False,
     on CPU). ``bf16_kernels`` gives the ISA of ingot's vector bf16 CPU kernels serving here
     (None: none does); asked only where the rule needs it, since the first ask builds them."""
     if prefill_only and platform.prefill_only_dtype() == torch.float32:
+        where = " (a CPU without AMX)" if platform.device_type == "cpu" else ""
         return DtypeChoice(torch.float32, "an encoder only prefills (compute-bound), and float32 "
-                           "computes faster than bf16 on this CPU (no AMX)")
+                           f"computes that fastest here{where}")
     declared = getattr(hf_config, "dtype", None)
     if isinstance(declared, str):
         declared = DTYPES.get(declared)
