@@ -267,10 +267,16 @@ def main() -> int:
                                                   tally, lock).run, daemon=True)
                    for i in range(ns.clients)]
         rss_peak = rss_start
+        # RSS at each tenth of the run: growth that levels off (allocator pools filling)
+        # reads differently from growth that goes on (a leak).
+        timeline: list[float] = []
         for t in clients:
             t.start()
         while any(t.is_alive() for t in clients):
-            rss_peak = max(rss_peak, rss_mb(pid))
+            rss_now = rss_mb(pid)
+            rss_peak = max(rss_peak, rss_now)
+            if len(timeline) < 10 and time.monotonic() >= t0 + (len(timeline) + 1) * (deadline - t0) / 10:
+                timeline.append(round(rss_now, 1))
             time.sleep(1)
         elapsed = time.monotonic() - t0
         idle = wait_idle(base)
@@ -292,6 +298,7 @@ def main() -> int:
         "health_worst_s": round(health["worst_s"], 3), "health_polls": health["polls"],
         "health_failures": health["failures"], "rss_start_mb": round(rss_start, 1),
         "rss_peak_mb": round(rss_peak, 1), "rss_end_mb": round(rss_end, 1),
+        "rss_mb_each_tenth": timeline,
         "kv_free_blocks_start": free_start, "kv_free_blocks_end": free_end, "idle_at_end": idle,
     }
     print("RESULT " + json.dumps(result))
