@@ -207,11 +207,16 @@ def gemm_preferred() -> bool:
 
 
 def onednn_f32_preferred() -> bool:
-    """Whether float32 CPU linears that may choose (encoder models: ``packs_f32_linears``) run
-    oneDNN's packed kernels rather than MKL's sgemm: on CPUs not made by Intel, whose cores
-    MKL's sgemm is not tuned for, unless ``INGOT_CPU_F32_GEMM`` says otherwise (``onednn`` or
-    ``mkl``). Measured on both cores of an AMD EPYC (Zen 3, AVX2): MiniLM's [4096, 384] x
-    [384, 384-1536] linears 1.05-1.2x faster; on the Intel AVX-512 machine MKL was faster."""
+    """Whether float32 CPU linears (encoders' and decoders', at every row count) run oneDNN's
+    packed kernels rather than MKL's sgemm: on CPUs not made by Intel, whose cores MKL's sgemm
+    is not tuned for, unless ``INGOT_CPU_F32_GEMM`` says otherwise (``onednn`` or ``mkl``).
+    Measured on an AMD EPYC (Zen 3, AVX2, 2 vCPUs): MiniLM's [4096, 384] x [384, 384-1536]
+    linears 1.05-1.2x faster on both cores; a decode pass over the default model's linears
+    (30 layers' weights streamed from memory, the LM head) 0.71x MKL's time at 1 row and
+    0.37-0.52x at 2-16 rows on both cores, 1.16x at 1 row and 0.65-0.75x at 2-64 rows on one
+    thread (bench/gemm_kernel.py). Its rows come out the same bit for bit whatever the rows
+    beside them (tested; MKL's differ from 2 rows on). On the Intel AVX-512 machine MKL was
+    faster."""
     choice = os.environ.get("INGOT_CPU_F32_GEMM", "auto")
     if choice not in ("auto", "onednn", "mkl"):
         raise ValueError(f"INGOT_CPU_F32_GEMM must be auto, onednn or mkl, got {choice!r}")
