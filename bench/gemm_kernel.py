@@ -9,19 +9,39 @@ linear runs unpacked) against oneDNN's packed float32 linear as ingot packs it
 
   .venv/bin/python bench/gemm_kernel.py --threads 1
   .venv/bin/python bench/gemm_kernel.py --threads 2 --rows 1,2,3,4,16,64,256,1024
-  .venv/bin/python bench/gemm_kernel.py --dtype float32 --threads 2 --rows 1,2,4,16,64,128,512,1024
+  .venv/bin/python bench/gemm_kernel.py --dtype float32 --layers 30 --threads 1 \
+      --rows 1,2,4,16,64,128,512,1024
+  .venv/bin/python bench/gemm_kernel.py --dtype float32 --pass --layers 30 --threads 2 \
+      --rows 1,2,4,16,64 --repeats 9
 
-Prints one RESULT line per (shape, rows) with microseconds and GFLOP/s per kernel.
+Prints one RESULT line per (shape, rows) with microseconds (per weight) and GFLOP/s per kernel.
+On a machine shared with other jobs, time one thread (``--threads 1``, ``--clock cpu`` for
+its CPU time): two threads' parallel regions stall whenever another job preempts one of them,
+which swamps the kernels' difference (multi-ms steps at the scheduler's time slices).
 
-float32, AMD EPYC (Zen 3, 2 vCPUs under KVM, AVX2 + FMA), 2026-12-03, shared with other jobs
-(load 2-3), medians of 7 repeats per run, each figure the median of 3 interleaved runs; time of
-oneDNN's packed linear / MKL's sgemm (< 1: oneDNN faster), threads 2 / threads 1:
+float32 on an AMD EPYC (Zen 3, 2 vCPUs under KVM, AVX2 + FMA), 2026-12-03, time of oneDNN's
+packed linear / MKL's sgemm (< 1: oneDNN faster):
 
-  rows   qkv         o           gate_up     down        lm_head
-  (filled in below by the measurement runs)
+  ``--pass --layers 30`` (a decode step's linears: 30 layers' weights streamed from memory,
+  the LM head), 3 runs each started when the machine was quiet (load < 0.8), medians:
+    rows        1     2     4     16    64
+    2 threads   0.80  0.42  0.43  0.60  0.70   (runs: 0.76-0.83 at 1 row; MKL ~69 ms a pass)
+    1 thread    1.17  0.59  0.70  0.75  0.80   (runs: 1.09-1.25 at 1 row; MKL ~65 ms a pass)
 
-oneDNN is faster at every row count and shape on this CPU, so a float32 decoder's linears pack
-for it here (``onednn_f32_preferred``), as an encoder's do.
+  per shape, ``--layers 30 --threads 1``, median of 3 interleaved runs (load ~2):
+    rows   qkv   o     gate_up  down  lm_head
+    1      1.10  1.20  1.09     1.68  0.96
+    2      0.70  0.86  0.62     1.07  0.50
+    16     0.85  1.05  0.77     0.96  0.57
+    128    0.98  1.02  0.89     1.05  0.60
+    1024   0.88  0.83  0.85     1.02  -
+
+oneDNN wins at every row count on both cores (ingot's thread count on a quiet machine) and
+from 2 rows on one thread; it loses only single-stream decode on one thread (what ingot's
+adaptive threads drop to while other processes hold the CPUs). One kernel at every row count
+is what ``binding.select_kernels`` packs for a float32 model on such a CPU
+(``onednn_f32_preferred``): choosing by row count would keep a plain copy of every weight
+beside the packed one, and its rows would no longer be batch-invariant.
 """
 
 from __future__ import annotations
