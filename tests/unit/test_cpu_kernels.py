@@ -572,14 +572,16 @@ _ZEN3_FLAGS = ("vendor_id\t: AuthenticAMD\nflags\t\t: fpu sse sse2 ssse3 fma sse
 def test_an_avx2_cpu_chooses_the_avx2_build_and_ingots_bf16_path(monkeypatch):
     """What an AVX2-only CPU (Zen 3) chooses: the avx2 build (portable beside it), bf16 models
     on ingot's packed linears (GEMV/GEMM over bf16 weights widened in registers) and its
-    attention backend; float32 models on torch ops and MKL. Broken twin: with INGOT_CPU_ISA
-    capped to the portable build, that build is what loads."""
+    attention backend; float32 models on torch ops and oneDNN's packed float32 linears (not
+    made by Intel). Broken twin: with INGOT_CPU_ISA capped to the portable build, that build is
+    what loads."""
     from ingot.model_executor.binding import select_kernels
     from ingot.model_executor.layers.attention_backend import select_attention_backend
 
     monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: _ZEN3_FLAGS)
     monkeypatch.setattr(cpu_kernels, "_loaded", {})
     monkeypatch.delenv("INGOT_CPU_ISA", raising=False)  # uncapped, whatever the shell set
+    monkeypatch.delenv("INGOT_CPU_F32_GEMM", raising=False)
     assert cpu_kernels.cpu_isas() == ("avx2", "portable")
     assert cpu_kernels.f32_isas() == ("avx2", "portable")
     assert cpu_kernels.load_cpu_kernels().isa == "avx2"
@@ -588,7 +590,7 @@ def test_an_avx2_cpu_chooses_the_avx2_build_and_ingots_bf16_path(monkeypatch):
     cpu = torch.device("cpu")
     model = torch.nn.Linear(4, 4)
     assert select_kernels(model, torch.bfloat16, cpu).pack == "bf16"
-    assert select_kernels(model, torch.float32, cpu).pack is None
+    assert select_kernels(model, torch.float32, cpu).pack == "f32"
     backend = select_attention_backend(cpu, torch.bfloat16, torch.bfloat16, False, (9, 3, 64))
     assert backend.name == "cpu-kernels" and backend.kernels.isa == "avx2"
     assert select_attention_backend(cpu, torch.float32, torch.float32, False, (9, 3, 64)).name \

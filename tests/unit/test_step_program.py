@@ -40,7 +40,7 @@ def test_selection_wraps_the_layers_program(tiny_llama_dir):
     model = load_model(config.model_config, cpu)
     eager = select_step_program(config, model, cpu, None)
     assert type(eager) is EagerProgram
-    # float32 linears run MKL's GEMM, which builds nothing per shape: warm-up skipped.
+    # Unbound float32 linears run MKL's GEMM, which builds nothing per shape: warm-up skipped.
     assert eager.warmup is not None and not eager.warmup.needed
     fast = ModulesAsProgram(model)
     program = select_step_program(config, model, cpu, fast)

@@ -35,9 +35,9 @@ def select_kernels(model: nn.Module, dtype: torch.dtype, device: torch.device,
     """ingot's CPU kernels for ``model`` (loaded in ``dtype`` on ``device``). bf16 linears pack
     for ingot's GEMV/GEMM wherever a build of its bf16 library runs (AVX2 + FMA and up: bf16
     weights widened to float32 in registers where the CPU has no bf16 arithmetic), and for
-    oneDNN's bf16 linear beside them where this CPU has it; an encoder's
-    float32 linears (models that declare ``packs_f32_linears``) pack for oneDNN's float32
-    linear where it beats MKL (``onednn_f32_preferred``), never beside plain weights kept for
+    oneDNN's bf16 linear beside them where this CPU has it. float32 linears, an encoder's and a
+    decoder's, pack for oneDNN's float32 linear at every row count where it beats MKL's sgemm
+    (``onednn_f32_preferred``: CPUs not made by Intel), never beside plain weights kept for
     compilation. ``INGOT_DISABLE_PACKED_LINEAR`` keeps every linear plain. ``keep_plain``: the
     layers will be compiled and run on their plain weights."""
     if device.type != "cpu":
@@ -47,8 +47,11 @@ def select_kernels(model: nn.Module, dtype: torch.dtype, device: torch.device,
     if packing and dtype == torch.bfloat16 and (cpu_packed_linear_supported(dtype, device)
                                                 or load_cpu_kernels() is not None):
         pack = "bf16"
-    elif (packing and dtype == torch.float32 and not keep_plain
-          and getattr(model, "packs_f32_linears", False) and onednn_f32_preferred()):
+    elif packing and dtype == torch.float32 and not keep_plain and onednn_f32_preferred():
+        # One kernel at every row count, no plain copy beside it: a row's output through
+        # oneDNN's float32 linear does not depend on the rows beside it, bit for bit (MKL's
+        # does), so a decode row's linears equal its verification row's and its batched
+        # self's. Faster at every row count on both cores (onednn_f32_preferred).
         pack = "f32"
     return Kernels(cpu=True, pack=pack, keep_plain=keep_plain)
 

@@ -32,7 +32,7 @@ class Kernels:
     cpu: bool = False
     #: How linears re-lay their weights: "bf16" (ingot's GEMV/GEMM layouts where its bf16
     #: library loads, oneDNN's packed bf16 linear where the CPU has it and ingot's GEMM does not
-    #: serve), "f32" (oneDNN's packed float32 linear: encoders), None (plain weights).
+    #: serve), "f32" (oneDNN's packed float32 linear), None (plain weights).
     pack: Literal["bf16", "f32"] | None = None
     #: Keep the plain weights beside the packed copies (compiled layers run on them).
     keep_plain: bool = False

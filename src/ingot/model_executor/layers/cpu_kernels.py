@@ -207,11 +207,16 @@ def gemm_preferred() -> bool:
 
 
 def onednn_f32_preferred() -> bool:
-    """Whether float32 CPU linears that may choose (encoder models: ``packs_f32_linears``) run
-    oneDNN's packed kernels rather than MKL's sgemm: on CPUs not made by Intel, whose cores
-    MKL's sgemm is not tuned for, unless ``INGOT_CPU_F32_GEMM`` says otherwise (``onednn`` or
-    ``mkl``). Measured on both cores of an AMD EPYC (Zen 3, AVX2): MiniLM's [4096, 384] x
-    [384, 384-1536] linears 1.05-1.2x faster; on the Intel AVX-512 machine MKL was faster."""
+    """Whether float32 CPU linears (encoders' and decoders', at every row count) run oneDNN's
+    packed kernels rather than MKL's sgemm: on CPUs not made by Intel, whose cores MKL's sgemm
+    is not tuned for, unless ``INGOT_CPU_F32_GEMM`` says otherwise (``onednn`` or ``mkl``).
+    Measured on an AMD EPYC (Zen 3, AVX2, 2 vCPUs): MiniLM's [4096, 384] x [384, 384-1536]
+    linears 1.05-1.2x faster on both cores; a decode step's linears of the default model (30
+    layers' weights streamed from memory, the LM head) in 0.80x MKL's time at 1 row and
+    0.42-0.70x at 2-64 rows on both cores, 1.17x at 1 row and 0.59-0.80x at 2-64 rows on one
+    thread (bench/gemm_kernel.py --pass). A row's output comes out the same bit for bit
+    whatever the rows beside it (tested; MKL's differs from 2 rows on). On the Intel AVX-512
+    machine MKL was faster."""
     choice = os.environ.get("INGOT_CPU_F32_GEMM", "auto")
     if choice not in ("auto", "onednn", "mkl"):
         raise ValueError(f"INGOT_CPU_F32_GEMM must be auto, onednn or mkl, got {choice!r}")

@@ -117,7 +117,7 @@ class LinearBase(KernelBindable, nn.Module):
 
     def pack_f32_weight(self) -> None:
         """oneDNN's packed copy of a float32 weight, in the plain weight's place (forward and
-        ``matmul`` run it); see ``binding.select_kernels``."""
+        ``matmul`` run it at every row count); see ``binding.select_kernels``."""
         weight = self.weight.detach()
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)
         if not getattr(self.weight, "shared", False):
@@ -179,10 +179,14 @@ def gemv_applies(rows: int, beside_gemm: bool) -> bool:
 
 
 def runs_onednn_linears(model: nn.Module) -> bool:
-    """Whether any linear of ``model`` runs oneDNN's packed kernels, which oneDNN builds
+    """Whether any linear of ``model`` runs oneDNN's packed bf16 kernels, which oneDNN builds
     (just in time) for each new input shape on first use: the eager warmup exists for them.
-    ingot's GEMV/GEMM and MKL's float32 GEMM (plain weights) build nothing per shape."""
-    return any(isinstance(m, LinearBase) and m.packed_weight is not None for m in model.modules())
+    ingot's GEMV/GEMM and MKL's float32 GEMM (plain weights) build nothing per shape, and
+    oneDNN's float32 kernels little: its first call at a new row count took 0.5-1.5 ms more
+    than the next per linear shape on an AMD EPYC (Zen 3, AVX2), ~8 ms a row count for the
+    default model, where warming its 18 shapes up took 74 s (a busy machine)."""
+    return any(isinstance(m, LinearBase) and m.packed_weight is not None
+               and m.packed_weight.dtype != torch.float32 for m in model.modules())
 
 
 class ReplicatedLinear(LinearBase):

@@ -228,7 +228,6 @@ class BertModel(nn.Module):
     used by the classifier."""
 
     is_encoder_only = True
-    packs_f32_linears = True  # oneDNN's fp32 linears where they beat MKL (onednn_f32_preferred)
     pooling_task = "embed"  # a pooling model by architecture: runs with --runner pooling
     default_pooling_type = "CLS"  # vLLM's default; sentence-transformers configs override it
 
@@ -290,7 +289,6 @@ class BertForSequenceClassification(nn.Module):
     [CLS] hidden state and calls ``classify`` on it."""
 
     is_encoder_only = True
-    packs_f32_linears = True
     pooling_task = "classify"
     default_pooling_type = "CLS"
 

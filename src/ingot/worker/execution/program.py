@@ -111,8 +111,9 @@ class EagerProgram(StepProgram):
         if self.warmup is None:
             return WarmupTimes()
         if not self.warmup.needed:  # the default model on CPUs without AMX: ~8 s saved
-            logger.info("warmup: skipped (no linear runs oneDNN's packed kernels, which are "
-                        "built per shape; ingot's kernels and MKL's need no warmup)")
+            logger.info("warmup: skipped (no linear runs oneDNN's packed bf16 kernels, which "
+                        "are built per shape; ingot's kernels, MKL's and oneDNN's float32 ones "
+                        "need no warmup)")
             return WarmupTimes()
         seconds = self._warm_up_rows(steps, run or self.forward)
         logger.info("warmup: one dummy step per bucket's row count, %.1f s", seconds)
