@@ -66,11 +66,19 @@ def test_moe_layers_are_sparse_where_the_config_says(tiny_moe):
     ours = [isinstance(layer.mlp, FusedMoE) for layer in model.model.layers]
     theirs = [hasattr(layer.mlp, "experts") for layer in hf.model.layers]
     assert ours == theirs and any(ours)
-    # Where ingot's kernels build, the loader binds the fused expert kernel to every MoE layer,
-    # so the comparisons with HF in this file run it.
+
+
+@pytest.mark.needs_kernels
+def test_moe_layers_bind_the_fused_expert_kernel(tiny_moe):
+    """The loader binds ingot's fused expert kernel to every MoE layer, so the comparisons
+    with HF in this file run it (where the kernels do not build, this is a reported skip and
+    those comparisons run the torch path)."""
+    path, _ = tiny_moe
+    model = PagedHarness(path).model
     kernels = load_cpu_kernels()
-    assert all(layer.mlp.cpu_kernels is kernels for layer in model.model.layers
-               if isinstance(layer.mlp, FusedMoE))
+    layers = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, FusedMoE)]
+    assert kernels is not None and layers
+    assert all(m.cpu_kernels is kernels and m.kernel_weights is not None for m in layers)
 
 
 def test_moe_engine_greedy_tokens_match_hf(tiny_moe):
