@@ -155,10 +155,10 @@ def test_given_flags_and_prefill_budget():
 
 def _default_model_warmup() -> str:
     """The warmup line the default model's engine logs on this CPU with dtype auto: the eager
-    warmup runs only where a linear runs oneDNN's packed kernels (built per shape), i.e. bf16
-    linears that ingot's GEMM does not serve (an AMX CPU, or no build of ingot's kernels)
-    where oneDNN has a bf16 linear; float32 decoder linears run MKL's GEMM. The default model's
-    widths are even, so ingot's GEMM takes every linear it can."""
+    warmup runs only where a linear runs oneDNN's packed bf16 kernels (built per shape), i.e.
+    bf16 linears that ingot's GEMM does not serve (an AMX CPU, or no build of ingot's kernels)
+    where oneDNN has a bf16 linear; float32 linears (MKL's or oneDNN's float32 kernels) need
+    none. The default model's widths are even, so ingot's GEMM takes every linear it can."""
     import torch
 
     from ingot.model_executor.layers.cpu_kernels import (

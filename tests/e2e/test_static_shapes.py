@@ -186,10 +186,11 @@ def test_eager_warmup_runs_each_row_count_then_leaves_no_trace(tiny_llama_dir, m
 
 
 def test_no_warmup_without_onednn_linears(tiny_llama_dir, monkeypatch):
-    """float32 linears run MKL's GEMM (and bf16 ones ingot's GEMM on CPUs without AMX), which
-    build nothing per shape: no dummy step runs. Broken twin, on every CPU: the same engine
-    told that a linear runs oneDNN's packed kernels warms up (the real oneDNN case is
-    test_eager_warmup_runs_each_row_count_then_leaves_no_trace, where the CPU has them)."""
+    """float32 linears run MKL's GEMM or oneDNN's float32 kernels (and bf16 ones ingot's GEMM
+    on CPUs without AMX), which build nothing or little per shape: no dummy step runs. Broken
+    twin, on every CPU: the same engine told that a linear runs oneDNN's packed bf16 kernels
+    warms up (the real oneDNN case is test_eager_warmup_runs_each_row_count_then_leaves_no_trace,
+    where the CPU has them)."""
     from ingot.worker.execution import select
     from ingot.worker.model_runner import ModelRunner
 
