@@ -17,6 +17,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from ingot.model_executor.layers.cpu_kernels import load_cpu_kernels
+
 sys.path.insert(0, str(Path(__file__).parent))
 import tp_checks  # noqa: E402
 from paged_harness import PagedHarness  # noqa: E402
@@ -78,6 +80,8 @@ def world_runs(tmp_path_factory, models):
     for world, checks in MODULE_CHECKS.items():
         tmp = tmp_path_factory.mktemp(f"tp{world}")
         plan = list(checks)
+        if load_cpu_kernels() is not None:  # else test_moe_kernel_on_shards_... is a skip
+            plan += [("moe", (*args, True)) for name, args in checks if name == "moe"]
         plan.append(("model_logits", (str(models[1]), str(tmp), "good")))
         for name, length in SP_CASES[world]:
             plan.append(("sp_model_logits", (str(models[name]), str(tmp), f"sp-{name}-{length}",
@@ -142,6 +146,14 @@ def test_moe_layer_matches_unsharded(world_runs, world, ep_size):
     """TP of experts (ep_size 1), full EP and EP 2 x TP 2 inside world 4; under full EP a
     token routed only to rank 0's experts contributes exactly zero elsewhere."""
     _assert_ok(world_runs, world, "moe", ep_size)
+
+
+@pytest.mark.needs_kernels
+@pytest.mark.parametrize("world, ep_size", [(2, 1), (2, 2), (4, 1), (4, 2), (4, 4)])
+def test_moe_kernel_on_shards_matches_unsharded(world_runs, world, ep_size):
+    """ingot's fused expert kernel binds to every rank's shard (global expert ids, local
+    experts) and gives the unsharded layer's output."""
+    _assert_ok(world_runs, world, "moe", ep_size, True)
 
 
 def _reference_logits(path: Path, prompt_len: int | None = None) -> torch.Tensor:

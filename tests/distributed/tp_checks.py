@@ -292,12 +292,14 @@ def attention_and_mlp(group: GroupCoordinator, num_kv_heads: int) -> None:
         _close(mtp(h), mref(h), "MLP")
 
 
-def moe(group: GroupCoordinator, ep_size: int = 1) -> None:
+def moe(group: GroupCoordinator, ep_size: int = 1, kernel: bool = False) -> None:
     """The MoE layer under TP of experts (``ep_size`` 1: every expert, its intermediate slice)
     or EP (whole experts in contiguous blocks, the intermediate split over the partition's
     ranks), loaded from per-expert checkpoint tensors: output equal to the unsharded layer,
     the spec's shapes, shards that concatenate back, and under full EP a token routed only to
-    rank 0's experts contributes exactly zero on the other ranks."""
+    rank 0's experts contributes exactly zero on the other ranks. ``kernel``: then the same on
+    ingot's fused expert kernel, which must bind to this rank's shard (the test asks for this
+    check only where the kernels load; elsewhere it is a reported skip)."""
     w, r = group.world_size, group.rank_in_group
     experts, inter, hidden = 8, 48, 32
     ref = _build(lambda: FusedMoE(experts, 2, hidden, inter, True), None)
@@ -332,20 +334,23 @@ def moe(group: GroupCoordinator, ep_size: int = 1) -> None:
             blind.shard_index = 0
             _load_from(blind, ref)
             assert (blind(x) - ref(x)).abs().max() > 1e-3, "a rank-blind expert loader passed"
+        only_rank0 = torch.randint(0, local_e, ids.shape,
+                                   generator=torch.Generator().manual_seed(15))
         if ep_size == w and w > 1:
-            only_rank0 = torch.randint(0, local_e, ids.shape,
-                                       generator=torch.Generator().manual_seed(15))
             part = layer.experts(x, weights, only_rank0)
             if r == 0:
                 _close(part, ref.experts(x, weights, only_rank0), "rank 0's experts")
             else:
                 assert torch.equal(part, torch.zeros_like(part)), "nonzero off-rank output"
+        if not kernel:
+            return
         # ingot's fused expert kernel on this rank's shard (global ids, local experts).
-        if layer.bind_kernels(Kernels(cpu=True)):
-            _close(layer(x), ref(x), f"MoE kernel (ep_size {ep_size})")
-            if ep_size == w and w > 1 and r > 0:
-                part = layer.experts(x, weights, only_rank0)
-                assert torch.equal(part, torch.zeros_like(part)), "nonzero off-rank kernel output"
+        assert layer.bind_kernels(Kernels(cpu=True)), "the fused expert kernel did not bind"
+        assert layer.kernel_weights is not None
+        _close(layer(x), ref(x), f"MoE kernel (ep_size {ep_size})")
+        if ep_size == w and w > 1 and r > 0:
+            part = layer.experts(x, weights, only_rank0)
+            assert torch.equal(part, torch.zeros_like(part)), "nonzero off-rank kernel output"
 
 
 def vocab(group: GroupCoordinator, vocab_size: int) -> None:

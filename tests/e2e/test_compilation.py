@@ -100,6 +100,8 @@ def test_warm_start_from_ingot_compile_compiles_nothing_and_matches_eager(
     assert stats["compilations"] == 0 and stats["cache_hits"] == stats["graphs"] == 3
     assert stats["backend_calls"] == 0  # precompiled buckets: not even a Dynamo trace
     warm_seconds = llm.llm_engine.engine_core.executor.worker.program.compiler.summary.seconds
+    # The server's ingot:compilation_time_seconds: loading the graphs takes measurable time.
+    assert llm.llm_engine.startup_stats()["compile_seconds"] == warm_seconds > 0
     # The count above is the real evidence; the ratio is loose (a loaded 2-core machine).
     assert cold_seconds >= 5 * warm_seconds, (cold_seconds, warm_seconds, ready)
 

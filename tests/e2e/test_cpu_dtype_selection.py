@@ -118,16 +118,17 @@ def avx2(monkeypatch):
     """INGOT_CPU_ISA=avx2: what an AVX2 CPU runs, on any AVX2-or-wider machine."""
     if "avx2" not in cpu_kernels.cpu_isas():
         pytest.skip("this CPU cannot run the avx2 build (no AVX2 + FMA)")
-    if cpu_kernels.load_cpu_kernels("avx2") is None:
-        pytest.skip("ingot's CPU kernels do not build here (no C compiler)")
+    # needs_kernels (on the test) has skipped where the kernels are off or cannot build: here
+    # the avx2 build must load.
+    assert cpu_kernels.load_cpu_kernels("avx2") is not None, cpu_kernels.unavailable
     monkeypatch.setenv("INGOT_CPU_ISA", "avx2")
 
 
+@pytest.mark.needs_kernels
 def test_avx2_selection(avx2, tmp_path, caplog, monkeypatch):
     """A float32 checkpoint with dtype auto on an AVX2 CPU: bf16, every linear packed for
     ingot's avx2 GEMV, its attention backend, and decode steps on its decode program. Broken
-    twin: capped to the portable build (no vector build), a CPU without native bf16 computes
-    float32 on torch ops."""
+    twin: test_portable_build_alone_computes_float32_on_torch."""
     make_tiny_model("llama", tmp_path / "m", **SHAPE)
     make_byte_tokenizer(tmp_path / "m")
     with caplog.at_level(logging.INFO, logger="ingot"):
@@ -140,13 +141,17 @@ def test_avx2_selection(avx2, tmp_path, caplog, monkeypatch):
     assert packed == linears > 0
     assert llm.llm_engine.startup_stats()["cpu_kernels"] == {"bf16": "avx2"}
     assert len(_greedy(llm)) == 8
-    del llm
 
+
+def test_portable_build_alone_computes_float32_on_torch(tmp_path, monkeypatch):
+    """The broken twin of test_avx2_selection: capped to the portable build (no vector build),
+    a CPU without native bf16 computes float32 on torch ops."""
+    if CpuPlatform.supports_bf16():
+        pytest.skip("this CPU computes bf16 natively: bf16 is fast without ingot's kernels")
+    make_tiny_model("llama", tmp_path / "m", **SHAPE)
+    make_byte_tokenizer(tmp_path / "m")
     monkeypatch.setenv("INGOT_CPU_ISA", "portable")
     llm = LLM(str(tmp_path / "m"), **ENGINE)
-    if CpuPlatform.supports_bf16():  # native bf16: bf16 on torch/oneDNN all the same
-        assert llm.llm_engine.model_config.dtype is torch.bfloat16
-        return
     assert llm.llm_engine.model_config.dtype is torch.float32
     backend, backends, program, isas, packed, _ = _bound(llm)
     assert (backend, program, isas, packed) == ("torch", False, set(), 0)

@@ -41,10 +41,12 @@ def client(server):
 @pytest.fixture(scope="module")
 def slow_server(tiny_llama_dir, tmp_path_factory):
     """Every engine step sleeps STEP_DELAY seconds first: nothing the model produces can reach
-    a client sooner than that after its request. No access log (--disable-uvicorn-access-log)."""
+    a client sooner than that after its request. No access log (--disable-uvicorn-access-log);
+    the request log is on (its lines mark how far the log has got)."""
     launcher = [sys.executable, str(Path(__file__).with_name("slow_step_cli.py"))]
     env = {**os.environ, "INGOT_TEST_STEP_DELAY": str(STEP_DELAY)}
-    args = [str(tiny_llama_dir), *TINY_FLAGS, "--disable-uvicorn-access-log"]
+    args = [str(tiny_llama_dir), *TINY_FLAGS, "--disable-uvicorn-access-log",
+            "--enable-log-requests"]
     with run_server(args, tmp_path_factory.mktemp("logs"), log_level="info", launcher=launcher,
                     env=env) as s:
         yield s
@@ -79,10 +81,18 @@ def test_chat_stream_first_chunk_waits_for_the_first_token(slow_server, n):
 
 
 def test_uvicorn_access_log_can_be_disabled(slow_server):
+    model = slow_server.json("GET", "/v1/models")[1]["data"][0]["id"]
     assert slow_server.request("GET", "/health")[0] == 200
-    # An enabled log writes its line just after the response: give it that moment.
-    assert not wait_until(lambda: ' "GET /health" ' in slow_server.log(), timeout=1)
-    assert "ready: serving" in slow_server.log()  # info lines do reach this log
+    # An enabled access log writes /health's line as that request ends, before the server
+    # reads the next one: the next request's own log line is the event to wait on.
+    code, _ = slow_server.json("POST", "/v1/completions",
+                               {"model": model, "prompt": [5, 6, 7], "max_tokens": 1})
+    assert code == 200
+    assert wait_until(lambda: re.search(r"request cmpl-\w+-0: 3 prompt tokens",
+                                        slow_server.log()))
+    log = slow_server.log()
+    assert ' "GET /health" ' not in log and ' "GET /v1/models" ' not in log
+    assert "ready: serving" in log  # info lines do reach this log
 
 
 def test_noop_fields_are_accepted_and_change_nothing(client):

@@ -46,7 +46,9 @@ def test_bucket_children_and_startup_gauges_before_traffic(server, tiny_llama_di
     assert metric(m, "ingot:kv_cache_free_blocks") > 0  # the idle value, not an unset zero
     assert metric(m, "ingot:startup_time_seconds") > 0
     assert metric(m, "ingot:model_load_time_seconds") > 0
-    assert metric(m, "ingot:compilation_time_seconds") >= 0
+    # This server runs eagerly (compilation is opt-in): nothing compiled, so exactly zero. The
+    # compiled path's figure is asserted > 0 in test_compilation.py.
+    assert metric(m, "ingot:compilation_time_seconds") == 0
     with safe_open(str(tiny_llama_dir / "model.safetensors"), "pt") as f:
         weight_bytes = sum(f.get_tensor(k).numel() * 4 for k in f.keys())  # float32
     assert metric(m, "ingot:model_load_size_bytes") == weight_bytes
@@ -85,7 +87,8 @@ def test_counters_move_by_the_workload(server):
     for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
                  "request_queue_time_seconds"):
         assert delta(f"ingot:{hist}_count") == nreq
-        assert delta(f"ingot:{hist}_sum") > 0 or hist == "request_queue_time_seconds"
+        # Each request waited from its arrival to its first scheduling step at least a little.
+        assert delta(f"ingot:{hist}_sum") > 0
     assert delta("ingot:inter_token_latency_seconds_count") == nreq * (k - 1)
     # Idle again: nothing running, every block back.
     assert metric(after, "ingot:num_requests_running") == 0
@@ -166,8 +169,10 @@ def test_profile_cycle_writes_a_chrome_trace(server, profile_dir):
         assert trace.is_file() and trace.name == "rank0.trace.json"
         assert trace.parent.parent == profile_dir
         names = _trace_names(trace)
-        # The model forward ran inside the profiled steps: its matmuls and embedding lookup.
-        assert any(n in names for n in ("aten::linear", "aten::mm", "aten::addmm")), names
+        # The model forward ran inside the profiled steps: its matmuls (MKL's, or oneDNN's
+        # packed float32 linear on CPUs not made by Intel) and embedding lookup.
+        matmuls = ("aten::linear", "aten::mm", "aten::addmm", "mkldnn::_linear_pointwise")
+        assert any(n in names for n in matmuls), names
         assert "aten::embedding" in names
     assert traces[0].parent != traces[1].parent  # one directory per cycle
 

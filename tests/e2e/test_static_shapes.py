@@ -186,9 +186,12 @@ def test_eager_warmup_runs_each_row_count_then_leaves_no_trace(tiny_llama_dir, m
 
 
 def test_no_warmup_without_onednn_linears(tiny_llama_dir, monkeypatch):
-    """float32 linears run MKL's GEMM (and bf16 ones ingot's GEMM on CPUs without AMX), which
-    build nothing per shape: no dummy step runs. Broken twin: with oneDNN's packed bf16
-    linears (where the CPU has them) the same engine warms up."""
+    """float32 linears run MKL's GEMM or oneDNN's float32 kernels (and bf16 ones ingot's GEMM
+    on CPUs without AMX), which build nothing or little per shape: no dummy step runs. Broken
+    twin, on every CPU: the same engine told that a linear runs oneDNN's packed bf16 kernels
+    warms up (the real oneDNN case is test_eager_warmup_runs_each_row_count_then_leaves_no_trace,
+    where the CPU has them)."""
+    from ingot.worker.execution import select
     from ingot.worker.model_runner import ModelRunner
 
     steps: list[int] = []
@@ -202,7 +205,6 @@ def test_no_warmup_without_onednn_linears(tiny_llama_dir, monkeypatch):
     llm = _llm(tiny_llama_dir)
     assert steps == [] and llm.llm_engine.startup_stats()["warmup_seconds"] == 0
     del llm
-    if cpu_packed_linear_supported(torch.bfloat16, torch.device("cpu")):
-        monkeypatch.setenv("INGOT_CPU_GEMM", "0")
-        llm = _llm(tiny_llama_dir, dtype="bfloat16")
-        assert steps and llm.llm_engine.startup_stats()["warmup_seconds"] > 0
+    monkeypatch.setattr(select, "runs_onednn_linears", lambda model: True)
+    llm = _llm(tiny_llama_dir)
+    assert steps and llm.llm_engine.startup_stats()["warmup_seconds"] > 0

@@ -96,9 +96,15 @@ def test_chat_answers_paris(llm):
 
 
 def test_defaults_need_no_block_bucket_or_memory_flag():
-    llm = LLM()  # bf16 where supported, max_model_len 8192, budgeted KV cache
+    from ingot.model_executor.layers.cpu_kernels import bf16_kernel_isa
+    from ingot.platforms.cpu import CpuPlatform
+
+    llm = LLM()  # auto dtype, max_model_len 8192, budgeted KV cache
     assert llm.llm_engine.model_config.max_model_len == 8192
-    assert llm.llm_engine.model_config.dtype in (torch.bfloat16, torch.float32)
+    # The CPU's auto rule (tests/unit/test_dtype_rules.py): bf16 where it runs at full speed
+    # here (ingot's vector bf16 kernels or native bf16), else float32.
+    expected = CpuPlatform.auto_dtype(None, bf16_kernel_isa()).dtype
+    assert llm.llm_engine.model_config.dtype is expected
     (out,) = llm.chat(
         [{"role": "user", "content": "What is the capital of France?"}],
         SamplingParams(temperature=0, max_tokens=24),

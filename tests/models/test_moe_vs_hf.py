@@ -66,11 +66,19 @@ def test_moe_layers_are_sparse_where_the_config_says(tiny_moe):
     ours = [isinstance(layer.mlp, FusedMoE) for layer in model.model.layers]
     theirs = [hasattr(layer.mlp, "experts") for layer in hf.model.layers]
     assert ours == theirs and any(ours)
-    # Where ingot's kernels build, the loader binds the fused expert kernel to every MoE layer,
-    # so the comparisons with HF in this file run it.
+
+
+@pytest.mark.needs_kernels
+def test_moe_layers_bind_the_fused_expert_kernel(tiny_moe):
+    """The loader binds ingot's fused expert kernel to every MoE layer, so the comparisons
+    with HF in this file run it (where the kernels do not build, this is a reported skip and
+    those comparisons run the torch path)."""
+    path, _ = tiny_moe
+    model = PagedHarness(path).model
     kernels = load_cpu_kernels()
-    assert all(layer.mlp.cpu_kernels is kernels for layer in model.model.layers
-               if isinstance(layer.mlp, FusedMoE))
+    layers = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, FusedMoE)]
+    assert kernels is not None and layers
+    assert all(m.cpu_kernels is kernels and m.kernel_weights is not None for m in layers)
 
 
 def test_moe_engine_greedy_tokens_match_hf(tiny_moe):
@@ -121,21 +129,32 @@ def test_routing_without_renormalisation_fails_the_comparison(tmp_path):
                                            hf_overrides={"norm_topk_prob": False}) < ATOL
 
 
+# Measured on an AMD EPYC (Zen 3, AVX2; ingot's avx2 kernels, and torch's bf16 path with
+# INGOT_CPU_KERNELS=0 alike): the first 11 of 12 greedy tokens agree with float32 (the 12th
+# flips: random tiny weights give close logits); 8 other seeds and prompts agreed on all 12.
+# The bound keeps a 3-token margin for other CPUs' bf16 rounding.
+BF16_AGREEING_PREFIX = 8
+
+
 def test_bf16_engine_runs_and_mostly_agrees_with_fp32(tmp_path):
-    path = make_tiny_model("qwen3_moe", tmp_path)
+    path = make_tiny_model("qwen3_moe", tmp_path / "m")
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
-    out = {}
-    for dtype in ("float32", "bfloat16"):
-        llm = LLM(str(path), dtype=dtype, skip_tokenizer_init=True, max_model_len=128,
+
+    def generate(model, dtype: str):  # noqa: ANN001, ANN202
+        llm = LLM(str(model), dtype=dtype, skip_tokenizer_init=True, max_model_len=128,
                   block_size=4)
         (o,) = llm.generate([PROMPT], params)
-        out[dtype] = o.outputs[0]
-    bf16 = out["bfloat16"]
+        return o.outputs[0]
+
+    fp32, bf16 = generate(path, "float32"), generate(path, "bfloat16")
     assert len(bf16.token_ids) == 12
     assert all(math.isfinite(lp[t].logprob) for lp, t in zip(bf16.logprobs, bf16.token_ids,
                                                              strict=True))
-    # Random tiny weights have close logits, so bf16 may flip a late token; the first agree.
-    assert bf16.token_ids[:2] == out["float32"].token_ids[:2]
+    n = BF16_AGREEING_PREFIX
+    assert bf16.token_ids[:n] == fp32.token_ids[:n], (bf16.token_ids, fp32.token_ids)
+    # Broken twin: another model's bf16 tokens (seed 1) fail the same bound.
+    other = generate(make_tiny_model("qwen3_moe", tmp_path / "other", seed=1), "bfloat16")
+    assert other.token_ids[:n] != fp32.token_ids[:n]
 
 
 # ---- the MoE layer alone ------------------------------------------------------------------------

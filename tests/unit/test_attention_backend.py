@@ -132,15 +132,26 @@ def _bound(path, dtype):
     return result
 
 
+def _dense(path):  # noqa: ANN001, ANN202
+    from tiny import make_byte_tokenizer, make_tiny_model
+
+    make_tiny_model("llama", path, hidden_size=128, num_attention_heads=4,
+                    num_key_value_heads=2, intermediate_size=160, num_hidden_layers=2)
+    make_byte_tokenizer(path)
+    return path
+
+
+def test_an_fp32_engine_binds_torch_to_every_layer(tmp_path):
+    """Needs no kernels: a float32 model runs torch attention wherever it runs."""
+    assert _bound(_dense(tmp_path / "dense"), "float32") == ("torch", {"torch"}, 2, False)
+
+
 @pytest.mark.needs_kernels
 def test_an_engine_binds_one_backend_to_every_layer(tmp_path):
     from tiny import make_byte_tokenizer, make_tiny_model
 
-    make_tiny_model("llama", tmp_path / "dense", hidden_size=128, num_attention_heads=4,
-                    num_key_value_heads=2, intermediate_size=160, num_hidden_layers=2)
-    make_byte_tokenizer(tmp_path / "dense")
-    assert _bound(tmp_path / "dense", "bfloat16") == ("cpu-kernels", {"cpu-kernels"}, 2, True)
-    assert _bound(tmp_path / "dense", "float32") == ("torch", {"torch"}, 2, False)
+    dense = _dense(tmp_path / "dense")
+    assert _bound(dense, "bfloat16") == ("cpu-kernels", {"cpu-kernels"}, 2, True)
     # q/k norm (Qwen3): the kernels attend, the decode program (which has no q/k norm) does not
     # build, so decode runs the modules.
     make_tiny_model("qwen3", tmp_path / "qwen3", hidden_size=128, num_attention_heads=4,

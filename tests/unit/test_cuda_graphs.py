@@ -111,7 +111,7 @@ def test_replay_rejects_a_step_unlike_its_bucket(tiny_llama_dir):
         graphs.capture(ids, pos, meta)
 
 
-def test_graphs_follow_the_platform_and_enforce_eager(tiny_llama_dir):
+def test_cpu_captures_no_graphs(tiny_llama_dir):
     from ingot.engine.arg_utils import EngineArgs
 
     def config(**kw):
@@ -121,6 +121,15 @@ def test_graphs_follow_the_platform_and_enforce_eager(tiny_llama_dir):
     assert config(device="cpu").cuda_graphs is False
     llm = LLM(str(tiny_llama_dir), **ENGINE)
     assert _runner(llm).program.decode_graphs is None  # the CPU engine captures nothing by default
-    if torch.cuda.is_available():
-        assert config(device="cuda").cuda_graphs is True
-        assert config(device="cuda", enforce_eager=True).cuda_graphs is False
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_captures_graphs_unless_eager_is_enforced(tiny_llama_dir):
+    from ingot.engine.arg_utils import EngineArgs
+
+    def config(**kw):
+        return EngineArgs(model=str(tiny_llama_dir), skip_tokenizer_init=True,
+                          **kw).create_engine_config().compilation
+
+    assert config(device="cuda").cuda_graphs is True
+    assert config(device="cuda", enforce_eager=True).cuda_graphs is False

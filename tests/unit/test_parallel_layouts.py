@@ -117,22 +117,40 @@ def test_validation_names_the_flag(sizes, hf, match):
 
 
 def test_valid_tensor_parallel_sizes_pass():
-    validate_parallel_sizes(ParallelSizes(tensor_parallel_size=2), DENSE)
-    validate_parallel_sizes(ParallelSizes(tensor_parallel_size=2, data_parallel_size=2), DENSE)
-    validate_parallel_sizes(ParallelSizes(data_parallel_size=3), MOE)  # TP of experts per replica
-    # EP across the replicas: ep_degree (default) TP x DP.
-    validate_parallel_sizes(ParallelSizes(tensor_parallel_size=2, data_parallel_size=2,
-                                          enable_expert_parallel=True), MOE)
-    validate_parallel_sizes(ParallelSizes(tensor_parallel_size=8), DENSE)  # KV replicated
+    """Each accepted configuration, and the layout it then runs (the validator returns
+    nothing, so what is checked is that the sizes it let through lay out as the spec says)."""
+
+    def ok(sizes: ParallelSizes, hf: object) -> None:
+        validate_parallel_sizes(sizes, hf)  # raises on a refusal
+
+    ok(ParallelSizes(tensor_parallel_size=2), DENSE)
+    assert tp_group_ranks(2, 2) == [[0, 1]] and kv_heads_per_rank(4, 2) == 2
+    ok(ParallelSizes(tensor_parallel_size=2, data_parallel_size=2), DENSE)
+    assert tp_group_ranks(4, 2) == [[0, 1], [2, 3]]
+    assert dp_column_group_ranks(4, 2, 2) == [[0, 2], [1, 3]]
+    ok(ParallelSizes(data_parallel_size=3), MOE)  # TP of experts per replica: all 8 each
+    assert dp_column_group_ranks(3, 1, 3) == [[0, 1, 2]] and local_expert_range(8, 1, 0) == range(8)
+    # EP across the replicas: ep_degree (default) TP x DP, 2 experts per rank.
+    ok(ParallelSizes(tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True),
+       MOE)
+    assert [local_expert_range(8, 4, r) for r in range(4)] == [range(0, 2), range(2, 4),
+                                                               range(4, 6), range(6, 8)]
+    ok(ParallelSizes(tensor_parallel_size=8), DENSE)  # KV replicated: each head on 2 ranks
+    assert kv_heads_per_rank(4, 8) == 1
+    assert [kv_head_start(4, 8, r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
     # Expert parallelism over the TP group (DP 1): full, and ep_degree 2 inside TP 4.
-    validate_parallel_sizes(ParallelSizes(tensor_parallel_size=2, enable_expert_parallel=True),
-                            MOE)
-    validate_parallel_sizes(ParallelSizes(tensor_parallel_size=4, enable_expert_parallel=True,
-                                          ep_degree=2), MOE)
+    ok(ParallelSizes(tensor_parallel_size=2, enable_expert_parallel=True), MOE)
+    assert ep_group_ranks([0, 1], 2) == [[0, 1]] and local_expert_range(8, 2, 1) == range(4, 8)
+    ok(ParallelSizes(tensor_parallel_size=4, enable_expert_parallel=True, ep_degree=2), MOE)
+    assert ep_tp_group_ranks([0, 1, 2, 3], 2) == [[0, 1], [2, 3]]
+    assert ep_group_ranks([0, 1, 2, 3], 2) == [[0, 2], [1, 3]]
+    assert [ep_rank_of(r, 4, 2) for r in range(4)] == [0, 0, 1, 1]
     # Full EP: whole experts per rank, so the experts' width need not divide TP.
-    validate_parallel_sizes(ParallelSizes(tensor_parallel_size=4, enable_expert_parallel=True),
-                            SimpleNamespace(num_attention_heads=8, num_key_value_heads=4,
-                                            intermediate_size=6, num_local_experts=8))
+    ok(ParallelSizes(tensor_parallel_size=4, enable_expert_parallel=True),
+       SimpleNamespace(num_attention_heads=8, num_key_value_heads=4, intermediate_size=6,
+                       num_local_experts=8))
+    assert ep_tp_group_ranks([0, 1, 2, 3], 4) == [[0], [1], [2], [3]]
+    assert local_expert_range(8, 4, 3) == range(6, 8)
 
 
 def _args(path, **kw) -> EngineArgs:

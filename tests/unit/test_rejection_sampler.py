@@ -109,15 +109,18 @@ def test_wrong_recovery_distribution_fails_the_same_check():
 
 def test_seeded_rows_reproduce():
     spec = SpecDecodeMetadata.make([[3, 3]], [3])
-    logits = torch.randn(3, V)
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(0))
 
-    def run() -> list[list[int]]:
-        gen = torch.Generator().manual_seed(7)
-        meta = _metadata([SamplingParams(temperature=1.0, seed=7)] * 3,
+    def run(seed: int) -> list[list[int]]:
+        gen = torch.Generator().manual_seed(seed)
+        meta = _metadata([SamplingParams(temperature=1.0, seed=seed)] * 3,
                          generators={0: gen, 1: gen, 2: gen})
         return RejectionSampler()(logits, meta, spec).token_ids
 
-    assert run() == run()
+    assert run(7) == run(7)
+    # Control: the draws follow the seed (were they fixed, the equality above would hold
+    # whatever the generator did). Everything is seeded, so this is deterministic.
+    assert any(run(seed) != run(7) for seed in range(8, 12))
 
 
 @pytest.mark.parametrize("k", [1, 2])

@@ -37,8 +37,11 @@ def test_bad_settings_name_what_to_change(tiny_llama_dir, tp, additional, match)
 
 
 def test_the_same_buckets_pass_without_sequence_parallel(tiny_llama_dir):
-    """The bucket rule is SP's: without it a bucket TP does not divide is fine."""
-    _config(tiny_llama_dir, num_batched_tokens_buckets=[6, 16, 64], tp=4)
+    """The bucket rule is SP's: without it a bucket TP does not divide is fine, and kept."""
+    config = _config(tiny_llama_dir, num_batched_tokens_buckets=[6, 16, 64], tp=4)
+    assert config.buckets.num_batched_tokens_buckets == (6, 16, 64)
+    par = config.parallel_config
+    assert (par.tensor_parallel_size, par.sequence_parallel_prefill) == (4, False)
 
 
 def test_refused_with_expert_parallel_across_replicas(tmp_path):
