@@ -9,6 +9,7 @@ import random
 import pytest
 from test_engine_core_v2 import _engine, _mixed_requests, _run
 
+from faults import fails, injected
 from ingot import LLM, SamplingParams
 from ingot.engine.arg_utils import EngineArgs
 
@@ -62,7 +63,18 @@ def reference(target, dtype):
 
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_identical_with_ngram_speculation(target, reference, dtype, k):
-    engine = _engine(target, 8, dtype=dtype, speculative_config=_spec(k))
+    _speculation_keeps_the_tokens(_engine(target, 8, dtype=dtype, speculative_config=_spec(k)),
+                                  reference, k)
+
+
+def test_ngram_speculation_twin_one_wrong_draft_accepted_fails(target, reference, dtype):
+    """Broken twin: one verification emits a draft the target rejected."""
+    engine = _engine(target, 8, dtype=dtype, speculative_config=_spec(3))
+    with injected("accepts_a_wrong_draft"), fails():
+        _speculation_keeps_the_tokens(engine, reference, 3)
+
+
+def _speculation_keeps_the_tokens(engine, reference, k: int) -> None:
     got = _run(engine, _requests())
     assert got == reference
     for rid in ("32", "33"):  # ran to the length cutoff
