@@ -43,15 +43,25 @@ def _direction(width: int, dtype: torch.dtype) -> torch.Tensor:
 @_fault
 def weight(mp: pytest.MonkeyPatch, name: str, scale: float = 0.5, rank: int | None = None) -> None:
     """The first checkpoint tensor whose name contains ``name`` gets noise of ``scale`` times its
-    mean magnitude as it is loaded (before sharding and packing), on TP rank ``rank`` only
-    when given: a wrong weight, or one rank's shard gone wrong."""
-    from ingot.distributed.parallel_state import get_tp_group
+    mean magnitude as it is loaded (before sharding and packing), in the worker of global rank
+    ``rank`` (dp rank x TP + tp rank) only when given: a wrong weight, or one rank's shard (one
+    replica's copy) gone wrong."""
     from ingot.model_executor.loader import model_loader
+    from ingot.worker.worker import Worker
 
     load = model_loader.iter_checkpoint
+    init = Worker.__init__
+    loading: list[int] = []  # the global rank of the worker being built in this process
+
+    def tracked(self: Worker, config: Any, rank: int = 0, *args: Any, **kwargs: Any) -> None:
+        loading.append(config.parallel_config.global_rank(rank))
+        try:
+            init(self, config, rank, *args, **kwargs)
+        finally:
+            loading.pop()
 
     def perturbed(model_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-        hit = rank is not None and get_tp_group().rank_in_group != rank
+        hit = rank is not None and loading[-1:] != [rank]
         for tensor_name, t in load(model_config):
             if not hit and name in tensor_name and t.is_floating_point():
                 hit = True
@@ -61,6 +71,7 @@ def weight(mp: pytest.MonkeyPatch, name: str, scale: float = 0.5, rank: int | No
         if not hit:  # a fault that perturbs nothing would let its twin test nothing
             raise LookupError(f"no checkpoint tensor's name contains {name!r}")
 
+    mp.setattr(Worker, "__init__", tracked)
     mp.setattr(model_loader, "iter_checkpoint", perturbed)
 
 

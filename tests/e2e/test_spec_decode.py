@@ -237,6 +237,17 @@ def _draft(path, k: int) -> dict:
 def test_greedy_identical_with_a_draft_model(target, tiny_draft_dir, reference, dtype, k):
     engine = _engine(target, 8, dtype=dtype,
                      speculative_config=_draft(tiny_draft_dir, k))
+    _draft_model_keeps_the_tokens(engine, reference)
+
+
+def test_draft_model_twin_one_wrong_draft_accepted_fails(target, tiny_draft_dir, reference,
+                                                         dtype):
+    engine = _engine(target, 8, dtype=dtype, speculative_config=_draft(tiny_draft_dir, 3))
+    with injected("accepts_a_wrong_draft"), fails():
+        _draft_model_keeps_the_tokens(engine, reference)
+
+
+def _draft_model_keeps_the_tokens(engine, reference) -> None:
     assert _run(engine, _requests()) == reference
     stats = engine.get_stats()["spec_decode"]
     assert stats.num_drafts > 20 and stats.num_accepted_tokens <= stats.num_draft_tokens
