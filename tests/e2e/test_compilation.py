@@ -127,15 +127,7 @@ def test_warm_start_from_ingot_compile_compiles_nothing_and_matches_eager(
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
 
     # 200 requests of random lengths: no new graph, same greedy tokens as eager.
-    rng = random.Random(0)
-    prompts = [{"prompt_token_ids": [rng.randrange(3, 259) for _ in range(rng.randint(1, 100))]}
-               for _ in range(200)]
-    params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 12), ignore_eos=True)
-              for _ in prompts]
-    compiled_out = llm.generate(prompts, params, use_tqdm=False)
-    eager_out = eager.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in compiled_out] == [
-        o.outputs[0].token_ids for o in eager_out]
+    _same_greedy_tokens(llm, eager)
     stats = _compile_stats(llm)
     assert stats["compilations"] == 0
     assert stats["calls_after_warmup"] == 0  # not even a re-trace served from the cache
@@ -145,6 +137,33 @@ def test_warm_start_from_ingot_compile_compiles_nothing_and_matches_eager(
     text = generate_latest(metrics.registry).decode()
     assert re.search(r'^ingot:compilations_total\{model_name="tiny"\} 0\.0$', text, re.M)
     assert re.search(r'^ingot:compile_cache_hits_total\{model_name="tiny"\} 3\.0$', text, re.M)
+
+
+def _same_greedy_tokens(compiled, eager, n: int = 200) -> None:
+    from ingot import SamplingParams
+
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 259) for _ in range(rng.randint(1, 100))]}
+               for _ in range(n)]
+    params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 12), ignore_eos=True)
+              for _ in prompts]
+    compiled_out = compiled.generate(prompts, params, use_tqdm=False)
+    eager_out = eager.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in compiled_out] == [
+        o.outputs[0].token_ids for o in eager_out]
+
+
+def test_compiled_vs_eager_twin_a_miscompiled_program_fails(cold_compile, tiny_llama_dir,
+                                                            isolated_env):
+    """Broken twin: the compiled program's hidden states are off; the eager ones are not."""
+    from faults import fails, injected
+
+    root, _ = cold_compile
+    with injected("compiled_only"):
+        compiled = _llm(tiny_llama_dir, compile=True, cache_dir=str(root))
+        eager = _llm(tiny_llama_dir, enforce_eager=True)
+        with fails():
+            _same_greedy_tokens(compiled, eager, n=20)
 
 
 def test_remote_tier_start_and_corrupt_entry(cold_compile, tiny_llama_dir, tmp_path,

@@ -33,9 +33,14 @@ def placement(worker: Any) -> tuple[int, int | None, int]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    path = make_tiny_model("llama", tmp_path_factory.mktemp("dp-llm"), vocab_size=259,
+def dp_model(tmp_path_factory):
+    return make_tiny_model("llama", tmp_path_factory.mktemp("dp-llm"), vocab_size=259,
                            num_key_value_heads=1)
+
+
+@pytest.fixture(scope="module")
+def runs(dp_model):
+    path = dp_model
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     seeded = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=7)
     results = {}
@@ -57,6 +62,27 @@ def runs(tmp_path_factory):
 
 
 def test_outputs_in_input_order_equal_dp1(runs):
+    _outputs_equal_dp1(runs)
+
+
+def test_dp_twin_a_perturbed_weight_in_one_replica_fails(runs, dp_model):
+    """Broken twin: replica 1 (global rank 1) loads one weight wrong; replica 0 is right."""
+    from faults import fails, injected_in_children
+
+    with injected_in_children("weight", name="layers.1.mlp.down_proj", rank=1):
+        llm = LLM(str(dp_model), data_parallel_size=2, dtype="float32", skip_tokenizer_init=True,
+                  max_model_len=128, block_size=4, cpu_adaptive_threads=False)
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        broken = {key: dict(runs[key]) for key in runs}
+        broken[2, 1]["greedy"] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)]
+        with fails():
+            _outputs_equal_dp1(broken)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def _outputs_equal_dp1(runs) -> None:
     ref = runs[1, 1]
     # Distinct prompts give distinct continuations, so a mix-up of the order would show.
     assert len({tuple(t) for t in ref["greedy"]}) == len(PROMPTS)

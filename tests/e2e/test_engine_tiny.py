@@ -9,6 +9,7 @@ import torch
 from paged_harness import hf_greedy, hf_logits
 from tiny import hf_model
 
+from faults import fails, injected
 from ingot import LLM, SamplingParams
 from ingot.engine.llm_engine import LLMEngine
 from ingot.errors import PromptTooLongError
@@ -37,7 +38,10 @@ def test_batch_invariance(tiny_llama_dir, max_batched):
     """A request gives the same greedy tokens alone and inside a batch of 16 mixed lengths,
     with whole prefills and with prefills chunked into 16-token pieces."""
     kw = {} if max_batched is None else {"max_num_batched_tokens": max_batched, "max_num_seqs": 16}
-    llm = _llm(tiny_llama_dir, **kw)
+    _batched_equals_alone(_llm(tiny_llama_dir, **kw))
+
+
+def _batched_equals_alone(llm) -> None:
     prompts = _prompts(16)
     batched = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
     for i in (0, 5, 15):
@@ -45,12 +49,29 @@ def test_batch_invariance(tiny_llama_dir, max_batched):
         assert alone.outputs[0].token_ids == batched[i]
 
 
+def test_batch_invariance_twin_a_batch_dependent_row_fails(tiny_llama_dir):
+    """Broken twin: a row's hidden state depends on how many rows share its step."""
+    with injected("batch_dependent"), fails():
+        _batched_equals_alone(_llm(tiny_llama_dir))
+
+
 def test_engine_matches_hf_greedy_in_a_batch(tiny_llama_dir, llm):
+    _greedy_in_a_batch_matches_hf(tiny_llama_dir, llm)
+
+
+def _greedy_in_a_batch_matches_hf(tiny_llama_dir, llm) -> None:
     hf = hf_model(tiny_llama_dir)
     prompts = _prompts(4, seed=1)
     outs = llm.generate(prompts, GREEDY)
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 12)
+
+
+def test_hf_greedy_twin_a_perturbed_weight_fails(tiny_llama_dir):
+    with injected("weight", name="layers.1.mlp.down_proj"):
+        broken = _llm(tiny_llama_dir)
+    with fails():
+        _greedy_in_a_batch_matches_hf(tiny_llama_dir, broken)
 
 
 def test_block_accounting_after_random_requests_and_aborts(tiny_llama_dir):
@@ -87,6 +108,18 @@ def test_block_accounting_after_random_requests_and_aborts(tiny_llama_dir):
 
 
 def test_logprobs_and_prompt_logprobs_match_hf(tiny_llama_dir, llm):
+    _logprobs_match_hf(tiny_llama_dir, llm)
+
+
+def test_logprobs_twin_a_slightly_wrong_weight_fails(tiny_llama_dir):
+    """A 1% error in one weight moves the logprobs past the 1e-4 tolerance."""
+    with injected("weight", name="layers.0.self_attn.o_proj", scale=0.01):
+        broken = _llm(tiny_llama_dir)
+    with fails():
+        _logprobs_match_hf(tiny_llama_dir, broken)
+
+
+def _logprobs_match_hf(tiny_llama_dir, llm) -> None:
     hf = hf_model(tiny_llama_dir)
     prompt = _prompts(1, seed=2, lo=20, hi=20)[0]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3, prompt_logprobs=2)

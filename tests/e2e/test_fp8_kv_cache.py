@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -89,6 +90,36 @@ def test_default_model_fp8_logprobs_stay_within_tolerance(bf16_engine, fp8_engin
     cache. The tolerance is the one documented in docs/features.md. (Greedy continuations
     drift apart sooner: the next test holds the greedy agreement bound, and docs/features.md,
     "FP8 KV cache", gives the measured agreement.)"""
+    _fp8_logprobs_within_tolerance(bf16_engine, fp8_engine)
+
+
+@pytest.mark.slow
+def test_default_model_fp8_logprobs_twin_a_wrong_scale_fails(bf16_engine, fp8_engine):
+    """Broken twin of the logprob tolerance: the same engine with wrong K/V scales."""
+    from faults import fails
+
+    with _wrong_scales(fp8_engine), fails():
+        _fp8_logprobs_within_tolerance(bf16_engine, fp8_engine)
+
+
+@contextmanager
+def _wrong_scales(fp8):
+    """Scales 10000x too large round most K/V to zero or e4m3 subnormals (restored after, the
+    engine is the module's)."""
+    scales = [layer.self_attn.kv_scales
+              for layer in fp8.llm_engine.engine_core.executor.worker.model.model.layers]
+    saved = [(s.k_scale, s.v_scale) for s in scales]
+    try:
+        for s in scales:
+            s.k_scale *= 10000
+            s.v_scale *= 10000
+        yield
+    finally:
+        for s, (k_scale, v_scale) in zip(scales, saved, strict=True):
+            s.k_scale, s.v_scale = k_scale, v_scale
+
+
+def _fp8_logprobs_within_tolerance(bf16_engine, fp8_engine) -> None:
     prompts = [
         "Once upon a time, there was a little girl who lived in a village near the forest.",
         "The theory of relativity was developed by Albert Einstein in the early twentieth century.",
@@ -142,16 +173,5 @@ def test_default_model_fp8_greedy_agreement_and_a_broken_scale_fails(bf16_engine
     fp8 = fp8_engine
     assert _teacher_forced_agreement(fp8, prompt_ids, continuations) >= 0.90
 
-    # Broken: scales 10000x too large round most K/V to zero or e4m3 subnormals (restored
-    # after, the engine is the module's).
-    scales = [layer.self_attn.kv_scales
-              for layer in fp8.llm_engine.engine_core.executor.worker.model.model.layers]
-    saved = [(s.k_scale, s.v_scale) for s in scales]
-    try:
-        for s in scales:
-            s.k_scale *= 10000
-            s.v_scale *= 10000
+    with _wrong_scales(fp8):
         assert _teacher_forced_agreement(fp8, prompt_ids, continuations) < 0.90
-    finally:
-        for s, (k_scale, v_scale) in zip(scales, saved, strict=True):
-            s.k_scale, s.v_scale = k_scale, v_scale

@@ -58,3 +58,14 @@ def test_moe_greedy_tokens_under_expert_parallel_equal_tp1(moe_dir, tp1):
     assert tokens == tp1[0]
     # Experts 0-1 on rank 0, 2-3 on rank 1, the whole intermediate dim.
     assert layout == [[0, 2, [2, 64, 64]], [2, 2, [2, 64, 64]]]
+
+
+def test_ep_twin_a_wrong_router_on_one_rank_fails(moe_dir, tp1):
+    """Broken twin: rank 1 loads layer 0's router weight wrong, so the ranks route apart."""
+    from faults import fails, injected_in_children
+
+    with injected_in_children("weight", name="layers.0.mlp.gate.weight", rank=1):
+        tokens, _ = _greedy(moe_dir, tensor_parallel_size=2, enable_expert_parallel=True,
+                            additional_config={"ep_degree": 2})
+    with fails():
+        assert tokens == tp1[0]

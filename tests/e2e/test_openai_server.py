@@ -5,12 +5,14 @@ offline ``LLM`` for the same request."""
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import openai
 import pytest
 from server_utils import TINY_FLAGS, run_server
 
 import ingot
+from faults import child_env, fails
 from ingot import LLM, SamplingParams
 
 PROMPT = "Once upon a time"
@@ -50,7 +52,27 @@ def test_models_health_version(server, client, tiny_llama_dir):
     assert status == 200 and body["version"] == ingot.__version__
 
 
+@contextmanager
+def _broken_client(tiny_llama_dir, tmp_path, fault: str, **params):
+    """A second server, every process of it running with ``fault`` (tests/faults.py)."""
+    with (run_server([str(tiny_llama_dir), *TINY_FLAGS], tmp_path, env=child_env(fault, **params))
+          as s, openai.OpenAI(base_url=f"{s.base}/v1", api_key="unused", max_retries=0,
+                              timeout=60) as c):
+        yield c, c.models.list().data[0].id
+
+
 def test_completion_greedy_matches_offline_llm(client, model, llm):
+    _completion_matches_offline(client, model, llm)
+
+
+@pytest.mark.slow
+def test_server_vs_offline_twin_a_perturbed_weight_fails(tiny_llama_dir, tmp_path, llm):
+    with (_broken_client(tiny_llama_dir, tmp_path, "weight", name="layers.1.mlp.down_proj")
+          as (client, model), fails()):
+        _completion_matches_offline(client, model, llm)
+
+
+def _completion_matches_offline(client, model, llm) -> None:
     resp = client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0)
     (ref,) = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24))
     choice = resp.choices[0]
@@ -74,6 +96,20 @@ def test_completion_token_id_prompts_batch(client, model, llm):
 
 
 def test_completion_stream_equals_whole(client, model, llm):
+    _completion_stream_equals_whole(client, model, llm)
+
+
+@pytest.mark.slow
+def test_streamed_vs_whole_twin_a_dropped_chunk_fails(tiny_llama_dir, tmp_path, llm):
+    """Broken twin of both stream gates: the server loses each stream's second event."""
+    with _broken_client(tiny_llama_dir, tmp_path, "stream_drops_a_chunk") as (client, model):
+        with fails():
+            _completion_stream_equals_whole(client, model, llm)
+        with fails():
+            _chat_stream_equals_whole(client, model, llm)
+
+
+def _completion_stream_equals_whole(client, model, llm) -> None:
     (ref,) = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     chunks = list(client.completions.create(
         model=model, prompt=PROMPT, max_tokens=24, temperature=0, stream=True,
@@ -115,6 +151,10 @@ def test_chat_greedy_matches_offline_llm(server, client, model, llm):
 
 
 def test_chat_stream_equals_whole(client, model, llm):
+    _chat_stream_equals_whole(client, model, llm)
+
+
+def _chat_stream_equals_whole(client, model, llm) -> None:
     (ref,) = llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     chunks = list(client.chat.completions.create(
         model=model, messages=MESSAGES, max_tokens=16, temperature=0, stream=True,

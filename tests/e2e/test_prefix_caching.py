@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from faults import fails, injected
 from ingot import LLM, SamplingParams
 
 PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
@@ -48,7 +49,19 @@ def _tokens_and_lps(outs):
 def test_greedy_identical_with_prefix_caching_on_and_off(tmp_path, arch, one_by_one):
     from tiny import make_tiny_model
 
-    path = make_tiny_model(arch, tmp_path)
+    _prefix_caching_changes_nothing(make_tiny_model(arch, tmp_path), one_by_one)
+
+
+def test_prefix_caching_twin_a_hit_that_skips_a_block_fails(tmp_path):
+    """Broken twin: each hit's last block is a fresh one, its KV never computed."""
+    from tiny import make_tiny_model
+
+    path = make_tiny_model("llama", tmp_path)
+    with injected("prefix_cache_skips_a_block"), fails():
+        _prefix_caching_changes_nothing(path, one_by_one=True)
+
+
+def _prefix_caching_changes_nothing(path, one_by_one: bool) -> None:
     kw = dict(dtype="float32", max_model_len=512, block_size=16, skip_tokenizer_init=True)
     prompts = _prompts()
     ref = _tokens_and_lps(_run(LLM(str(path), enable_prefix_caching=False, **kw), prompts, one_by_one))

@@ -9,6 +9,7 @@ import random
 import pytest
 from test_engine_core_v2 import _engine, _mixed_requests, _run
 
+from faults import fails, injected
 from ingot import LLM, SamplingParams
 from ingot.engine.arg_utils import EngineArgs
 
@@ -82,7 +83,18 @@ def reference(target, dtype):
 
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_identical_with_ngram_speculation(target, reference, dtype, k):
-    engine = _target_engine(target, dtype, speculative_config=_spec(k))
+    _speculation_keeps_the_tokens(_target_engine(target, dtype, speculative_config=_spec(k)),
+                                  reference, k)
+
+
+def test_ngram_speculation_twin_one_wrong_draft_accepted_fails(target, reference, dtype):
+    """Broken twin: one verification emits a draft the target rejected."""
+    engine = _target_engine(target, dtype, speculative_config=_spec(3))
+    with injected("accepts_a_wrong_draft"), fails():
+        _speculation_keeps_the_tokens(engine, reference, 3)
+
+
+def _speculation_keeps_the_tokens(engine, reference, k: int) -> None:
     got = _run(engine, _requests())
     assert got == reference
     for rid in ("32", "33"):  # ran to the length cutoff
@@ -244,6 +256,17 @@ def _draft(path, k: int) -> dict:
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_identical_with_a_draft_model(target, tiny_draft_dir, reference, dtype, k):
     engine = _target_engine(target, dtype, speculative_config=_draft(tiny_draft_dir, k))
+    _draft_model_keeps_the_tokens(engine, reference)
+
+
+def test_draft_model_twin_one_wrong_draft_accepted_fails(target, tiny_draft_dir, reference,
+                                                         dtype):
+    engine = _target_engine(target, dtype, speculative_config=_draft(tiny_draft_dir, 3))
+    with injected("accepts_a_wrong_draft"), fails():
+        _draft_model_keeps_the_tokens(engine, reference)
+
+
+def _draft_model_keeps_the_tokens(engine, reference) -> None:
     assert _run(engine, _requests()) == reference
     stats = engine.get_stats()["spec_decode"]
     assert stats.num_drafts > 20 and stats.num_accepted_tokens <= stats.num_draft_tokens

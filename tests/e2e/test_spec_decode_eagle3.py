@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from test_engine_core_v2 import _engine, _run
 from test_spec_decode import _requests
 
+from faults import fails, injected
 from ingot.engine.arg_utils import EngineArgs
 
 H, HEADS, KV_HEADS, INTER, VOCAB, DRAFT_VOCAB = 64, 4, 2, 128, 259, 200
@@ -108,6 +109,16 @@ def _eagle(path, k: int) -> dict:  # noqa: ANN001
 @pytest.mark.parametrize("layout,k", [("eagle3", 1), ("eagle3", 3), ("speculators", 5)])
 def test_greedy_identical_with_eagle3(target_dir, heads, reference, dtype, layout, k):
     engine = _engine(target_dir, 8, dtype=dtype, speculative_config=_eagle(heads[layout], k))
+    _eagle3_keeps_the_tokens(engine, reference, k)
+
+
+def test_eagle3_twin_one_wrong_draft_accepted_fails(target_dir, heads, reference, dtype):
+    engine = _engine(target_dir, 8, dtype=dtype, speculative_config=_eagle(heads["eagle3"], 3))
+    with injected("accepts_a_wrong_draft"), fails():
+        _eagle3_keeps_the_tokens(engine, reference, 3)
+
+
+def _eagle3_keeps_the_tokens(engine, reference, k: int) -> None:
     assert _run(engine, _requests()) == reference
     stats = engine.get_stats()["spec_decode"]
     # A random head rarely agrees with the target, but it drafted in every decode step.

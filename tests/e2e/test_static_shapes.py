@@ -103,7 +103,21 @@ def _outputs(llm, prompts, params):
 def test_identical_outputs_with_buckets_and_context_buckets_on_and_off(tmp_path, arch):
     from tiny import make_tiny_model
 
-    path = make_tiny_model(arch, tmp_path)
+    _buckets_change_nothing(make_tiny_model(arch, tmp_path))
+
+
+def test_buckets_twin_padding_that_moves_real_rows_fails(tmp_path):
+    """Broken twin: a step's real rows depend on how much padding its bucket added."""
+    from tiny import make_tiny_model
+
+    from faults import fails, injected
+
+    path = make_tiny_model("llama", tmp_path)
+    with injected("padding_dependent"), fails():
+        _buckets_change_nothing(path)
+
+
+def _buckets_change_nothing(path) -> None:
     rng = random.Random(2)
     # Lengths chosen so decoding crosses the 128 context bucket and prefills span chunks.
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (3, 120, 126, 60, 200, 17)]

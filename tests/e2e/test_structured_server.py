@@ -28,12 +28,14 @@ class City(BaseModel):
 MESSAGES = [{"role": "user", "content": "Describe Paris as JSON."}]
 
 
+SERVER_FLAGS = ["--max-model-len", "1024", "--enable-auto-tool-choice", "--tool-call-parser",
+                "hermes"]
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     # No --model: the embedded default model.
-    with run_server(["--max-model-len", "1024", "--enable-auto-tool-choice",
-                     "--tool-call-parser", "hermes"], tmp_path_factory.mktemp("logs"),
-                    startup_timeout=120) as s:
+    with run_server(SERVER_FLAGS, tmp_path_factory.mktemp("logs"), startup_timeout=120) as s:
         yield s
 
 
@@ -229,6 +231,21 @@ def test_named_and_none_tool_choice(client, model):
 
 
 def test_streamed_tool_calls_equal_the_whole_response(client, model):
+    _streamed_tool_calls_equal_the_whole(client, model)
+
+
+def test_streamed_tool_calls_twin_a_dropped_chunk_fails(tmp_path):
+    """Broken twin: a server whose streams lose their second event."""
+    from faults import child_env, fails
+
+    with (run_server(SERVER_FLAGS, tmp_path, startup_timeout=120,
+                     env=child_env("stream_drops_a_chunk")) as s,
+          openai.OpenAI(base_url=f"{s.base}/v1", api_key="unused", max_retries=0,
+                        timeout=120) as c, fails()):
+        _streamed_tool_calls_equal_the_whole(c, c.models.list().data[0].id)
+
+
+def _streamed_tool_calls_equal_the_whole(client, model) -> None:
     kwargs = dict(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
                   temperature=1.0, seed=3, max_tokens=400)
     whole = client.chat.completions.create(**kwargs).choices[0]

@@ -62,7 +62,25 @@ def test_greedy_tokens_identical_to_tp1(runs):
 
 
 def test_logprobs_within_1e5_of_tp1(runs):
-    for got_req, ref_req in zip(runs[2][0]["logprobs"], runs[1][0]["logprobs"], strict=True):
+    _logprobs_within_1e5(runs[2][0]["logprobs"], runs[1][0]["logprobs"])
+
+
+def test_tp_twin_a_perturbed_weight_on_one_rank_fails(runs, gqa_dir):
+    """Broken twin: rank 1's shard of one weight is 5% off (rank 0's is right)."""
+    from faults import fails, injected_in_children
+
+    with injected_in_children("weight", name="layers.0.self_attn.o_proj", scale=0.05, rank=1):
+        llm = LLM(str(gqa_dir), tensor_parallel_size=2, dtype="float32", skip_tokenizer_init=True,
+                  max_model_len=128, block_size=4, max_num_seqs=16)
+    try:
+        with fails():
+            _logprobs_within_1e5(_outputs(llm)["logprobs"], runs[1][0]["logprobs"])
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def _logprobs_within_1e5(got_lps, ref_lps) -> None:
+    for got_req, ref_req in zip(got_lps, ref_lps, strict=True):
         for got, ref in zip(got_req, ref_req, strict=True):
             assert got.keys() == ref.keys()
             for token, value in ref.items():

@@ -53,6 +53,20 @@ def test_prompt_lengths_cover_5_to_300_tokens(hf_reference):
 
 
 def test_greedy_matches_hf_batched_and_alone(llm, hf_reference):
+    _greedy_matches_hf(llm, hf_reference)
+
+
+def test_greedy_twin_a_perturbed_weight_fails(hf_reference):
+    """Broken twin: one weight wrong as the engine loads the default model."""
+    from faults import fails, injected
+
+    with injected("weight", name="layers.10.mlp.down_proj", scale=0.2):
+        broken = LLM(dtype="float32", max_model_len=1024, max_num_seqs=8)
+    with fails():
+        _greedy_matches_hf(broken, hf_reference)
+
+
+def _greedy_matches_hf(llm, hf_reference) -> None:
     prompt_ids, expected = hf_reference
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     batched = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from faults import fails, injected
 from ingot import LLM, SamplingParams
 
 CODE = ("def merge_sorted(a, b):\n    out = []\n    i = j = 0\n"
@@ -44,8 +45,20 @@ def reference():
 
 @pytest.mark.slow
 def test_default_model_greedy_identical_with_ngram(reference):
-    prompts, single, batch = reference
+    _speculation_keeps_the_tokens(LLM(max_model_len=1024, max_num_seqs=8, speculative_config=SPEC),
+                                  reference)
+
+
+@pytest.mark.slow
+def test_default_model_ngram_twin_one_wrong_draft_accepted_fails(reference):
+    """Broken twin: one verification emits a draft the target rejected."""
     llm = LLM(max_model_len=1024, max_num_seqs=8, speculative_config=SPEC)
+    with injected("accepts_a_wrong_draft"), fails():
+        _speculation_keeps_the_tokens(llm, reference)
+
+
+def _speculation_keeps_the_tokens(llm: LLM, reference) -> None:
+    prompts, single, batch = reference
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     assert [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts[:2]] == single
     stats = llm.llm_engine.get_stats()["spec_decode"]

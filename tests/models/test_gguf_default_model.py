@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from ingot.model_executor.loader.gguf_loader import (
+    convert_gguf_to_hf,
     load_gguf,
 )
 
@@ -144,6 +145,24 @@ def test_chat_template(gguf_path: Path, converted_dir: Path) -> None:
 
 
 def test_converted_model_matches_transformers(
+    converted_dir: Path, reference: tuple[dict, Any], reference_tokenizer: Any
+) -> None:
+    _converted_matches_transformers(converted_dir, reference, reference_tokenizer)
+
+
+def test_gguf_twin_one_tensor_dequantised_wrong_fails(
+    gguf_path: Path, tmp_path: Path, reference: tuple[dict, Any], reference_tokenizer: Any
+) -> None:
+    """Broken twin: one tensor of the GGUF file dequantised wrong as ingot reads it."""
+    from faults import fails, injected
+
+    with injected("gguf_dequant_wrong"):
+        broken = convert_gguf_to_hf(gguf_path, tmp_path, dtype=torch.float32)
+    with fails():
+        _converted_matches_transformers(broken, reference, reference_tokenizer)
+
+
+def _converted_matches_transformers(
     converted_dir: Path, reference: tuple[dict, Any], reference_tokenizer: Any
 ) -> None:
     _, ref_model = reference

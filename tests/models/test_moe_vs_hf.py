@@ -82,7 +82,23 @@ def test_moe_layers_bind_the_fused_expert_kernel(tiny_moe):
 
 
 def test_moe_engine_greedy_tokens_match_hf(tiny_moe):
-    path, hf = tiny_moe
+    _moe_engine_greedy_matches_hf(*tiny_moe)
+
+
+def test_moe_engine_greedy_twin_a_wrong_router_weight_fails(tmp_path):
+    """Broken twin: layer 0's router weight wrong as the engine loads it (some tokens go to
+    other experts). (Noise of 50% on one expert's down_proj leaves these 16 greedy tokens
+    as they were: the tiny experts' outputs are small next to the residual stream; the logits
+    gate above catches such a change.)"""
+    from faults import fails, injected
+
+    path = make_tiny_model("qwen3_moe", tmp_path)
+    hf = hf_model(path)
+    with injected("weight", name="layers.0.mlp.gate.weight"), fails():
+        _moe_engine_greedy_matches_hf(path, hf)
+
+
+def _moe_engine_greedy_matches_hf(path, hf) -> None:
     expected = hf_greedy(hf, PROMPT, 16)
     llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, max_model_len=128,
               block_size=4)

@@ -257,6 +257,17 @@ def test_cross_encoder_scores_match_hf(tiny_cross_encoder):
 
 
 def test_classifier_softmax_matches_hf(tmp_path):
+    _classifier_softmax_matches_hf(tmp_path)
+
+
+def test_classifier_softmax_twin_over_the_wrong_dim_fails(tmp_path):
+    from faults import fails, injected
+
+    with injected("classifier_softmax_wrong_dim"), fails():
+        _classifier_softmax_matches_hf(tmp_path)
+
+
+def _classifier_softmax_matches_hf(tmp_path) -> None:
     torch.manual_seed(2)
     hf = transformers.BertForSequenceClassification(bert_config(num_labels=3, vocab_size=512)).eval()
     randomise(hf)

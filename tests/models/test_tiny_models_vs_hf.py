@@ -12,6 +12,7 @@ import torch
 from paged_harness import PagedHarness, hf_greedy, hf_logits
 from tiny import hf_model, make_tiny_model
 
+from faults import fails, injected
 from ingot import LLM, SamplingParams
 
 ATOL = 1e-4
@@ -91,13 +92,25 @@ def test_chunked_prefill_beside_other_request_matches_hf(tiny):
     torch.testing.assert_close(b1, ref_other, atol=ATOL, rtol=0)
 
 
-def test_engine_greedy_tokens_match_hf(tiny):
-    path, hf = tiny
+def _engine_greedy_matches_hf(path, hf) -> None:
     expected = hf_greedy(hf, PROMPT, 16)
     llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, max_model_len=128, block_size=4)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     (out,) = llm.generate([PROMPT], params)
     assert out.outputs[0].token_ids == expected
+
+
+def test_engine_greedy_tokens_match_hf(tiny):
+    path, hf = tiny
+    _engine_greedy_matches_hf(path, hf)
+
+
+def test_engine_greedy_twin_a_perturbed_weight_fails(tmp_path):
+    """The engine gate's broken twin: one weight wrong as the engine loads it."""
+    path = make_tiny_model("llama", tmp_path)
+    hf = hf_model(path)
+    with injected("weight", name="layers.1.mlp.down_proj"), fails():
+        _engine_greedy_matches_hf(path, hf)
 
 
 @pytest.mark.parametrize("override", [{"rope_theta": 500.0}, {"rms_norm_eps": 0.5}])
