@@ -6,8 +6,9 @@ must equal the restatement bit for bit; the result must also sit within the accu
 rounding bound of the float64 product of the dequantized operands. Broken twins (a block's scale
 or min ignored, rows repacked out of order) must fail both checks.
 
-Every kernel test runs each build of :data:`cpu_kernels.QUANT_ISAS` (the ``qk`` fixture): the
-builds this CPU runs are tested, the others skip with the reason."""
+Every kernel test runs each build of :data:`cpu_kernels.QUANT_ISAS` this CPU runs (the ``qk``
+fixture, tests/kernel_builds.py); a build that does not load there fails, and each build the CPU
+cannot run is counted by ``test_build_runs_here`` (test_cpu_kernels.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+import kernel_builds
 from ingot.model_executor.layers import cpu_kernels
 
 gguf = pytest.importorskip("gguf")
@@ -23,24 +25,10 @@ from gguf.quants import dequantize, quantize  # noqa: E402
 QTYPES = tuple(cpu_kernels.QUANT_TYPES)
 
 
-_RUNS = cpu_kernels.quant_isas()
-
-
-@pytest.fixture(params=[isa for isa in cpu_kernels.QUANT_ISAS if isa in _RUNS])
+@pytest.fixture(params=kernel_builds.over("quant"))
 def qk(request) -> cpu_kernels.QuantKernels:
-    """Each build of the quantized library this CPU runs, in turn (the others: one skip each,
-    below)."""
-    kernels = cpu_kernels.load_quant_kernels(request.param)
-    if kernels is None:
-        pytest.skip(f"the {request.param} build of the quantized kernels does not build here "
-                    "(no C compiler)")
-    return kernels
-
-
-@pytest.mark.parametrize("isa", [isa for isa in cpu_kernels.QUANT_ISAS if isa not in _RUNS])
-def test_builds_this_cpu_cannot_run(isa):
-    pytest.skip(f"this CPU does not run the {isa} build of the quantized kernels: its tests "
-                "run on a CPU that does")
+    """Each build of the quantized library this CPU runs, in turn."""
+    return kernel_builds.load("quant", request.param)
 
 
 def _ggml(qtype: str):  # noqa: ANN202
