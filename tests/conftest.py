@@ -42,6 +42,10 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         from ingot.model_executor.layers.cpu_kernels import load_f32_kernels
 
         _kernels_or_skip(load_f32_kernels, "f32", "ingot's float32 CPU kernels")
+    if item.get_closest_marker("needs_quant_kernels") is not None:
+        from ingot.model_executor.layers.cpu_kernels import load_quant_kernels
+
+        _kernels_or_skip(load_quant_kernels, "quant", "ingot's GGUF-quantized CPU kernels")
 
 
 @pytest.fixture(scope="session")

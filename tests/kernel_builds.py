@@ -1,6 +1,6 @@
 """The builds of ingot's CPU kernels a test runs: every build of the bf16 library
-(:data:`cpu_kernels.ISAS`) and of the float32 library (:data:`cpu_kernels.F32_ISAS`) that this
-CPU runs, so an AVX-512 machine tests its avx512_bf16, avx512, avx2 and portable builds, an AVX2
+(:data:`cpu_kernels.ISAS`), of the float32 library (:data:`cpu_kernels.F32_ISAS`) and of the
+GGUF-quantized library (:data:`cpu_kernels.QUANT_ISAS`) that this CPU runs, so an AVX-512 machine tests its avx512_bf16, avx512, avx2 and portable builds, an AVX2
 machine its avx2 and portable builds. Builds the CPU cannot run are not parametrized at all;
 ``test_build_runs_here`` (test_cpu_kernels.py) reports each of them once, with the number of
 kernel tests that did not run for it, counted at collection (tests/conftest.py calls
@@ -22,11 +22,14 @@ from ingot.model_executor.layers import cpu_kernels
 LIBRARIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "bf16": (tuple(cpu_kernels.ISAS), cpu_kernels.cpu_isas()),
     "f32": (cpu_kernels.F32_ISAS, cpu_kernels.f32_isas()),
+    "quant": (cpu_kernels.QUANT_ISAS, cpu_kernels.quant_isas()),
 }
-_NAMES = {"bf16": "bf16", "f32": "float32"}
-_LOADERS = {"bf16": cpu_kernels.load_cpu_kernels, "f32": cpu_kernels.load_f32_kernels}
+_NAMES = {"bf16": "bf16", "f32": "float32", "quant": "quantized"}
+_LOADERS = {"bf16": cpu_kernels.load_cpu_kernels, "f32": cpu_kernels.load_f32_kernels,
+            "quant": cpu_kernels.load_quant_kernels}
 # The conftest markers that skip a test where the library does not build at all (no compiler).
-_NEEDS = {"bf16": pytest.mark.needs_kernels, "f32": pytest.mark.needs_f32_kernels}
+_NEEDS = {"bf16": pytest.mark.needs_kernels, "f32": pytest.mark.needs_f32_kernels,
+          "quant": pytest.mark.needs_quant_kernels}
 
 #: Kernel tests collected per (library, build): filled by :func:`count`.
 collected: Counter[tuple[str, str]] = Counter()

@@ -68,6 +68,9 @@ DEFAULT_ASYNC_SCHEDULING = False
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 # "auto" stores KV in the model dtype; fp8 / fp8_e4m3 store float8_e4m3fn with per-layer scales.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+#: --quantization (vLLM's flag): "gguf" keeps a GGUF's quantized weights as they are (CPU),
+#: "none" dequantizes them at load.
+QUANTIZATIONS = ("gguf", "none")
 # --runner: "auto" takes the architecture's (a BertModel pools, a causal LM generates).
 RUNNERS = ("auto", "generate", "pooling")
 # --convert: what a pooling runner makes of a model; "auto" is the architecture's own task
@@ -109,6 +112,9 @@ class ModelConfig:
     is_encoder_only: bool = False
     #: Prompts may be given as [seq_len, hidden] tensors (engine/prompt_embeds.py).
     enable_prompt_embeds: bool = False
+    #: "gguf": a GGUF's Q4_0 / Q4_1 / Q8_0 linears and embedding stay quantized (CPU, ingot's
+    #: quantized kernels); "none": every weight dequantized to ``dtype`` at load.
+    quantization: str = "none"
 
     @property
     def hidden_size(self) -> int:

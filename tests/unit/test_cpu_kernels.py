@@ -47,6 +47,8 @@ def test_build_runs_here(isa, monkeypatch):
     if isa in cpu_kernels.F32_ISAS:
         f32 = kernel_builds.load("f32", isa)
         assert f32.isa == isa and f32.lanes == cpu_kernels.ISAS[isa].lanes
+    if isa in kernel_builds.LIBRARIES["quant"][1]:
+        assert kernel_builds.load("quant", isa).isa == isa
 
 
 @pytest.fixture

@@ -130,3 +130,35 @@ def test_the_flag_derivation_imports_no_entrypoint():
         imports = _imported_modules(src / rel)
         assert "ingot.engine.arg_utils" in imports or rel.startswith("engine")
         assert not {m for m in imports if m.startswith(("ingot.entrypoints", "ingot.cli"))}, rel
+
+
+# ---- --quantization --------------------------------------------------------------------------
+
+def test_quantization_resolves_gguf_for_a_gguf_on_cpu_else_none(tiny_llama_dir):
+    def resolved(**kw) -> str:
+        config = EngineArgs(device="cpu", max_model_len=256, **kw).create_engine_config()
+        return config.model_config.quantization
+
+    assert resolved() == "gguf"  # the default model, a GGUF
+    assert resolved(quantization="none") == "none"
+    assert resolved(compile=True) == "none"  # compiled layers run on plain weights
+    assert resolved(model=str(tiny_llama_dir)) == "none"  # not a GGUF
+    assert _parse("--quantization", "gguf").quantization == "gguf"
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"model": "TINY"}, "not a .gguf model"),
+    ({"dtype": "float16"}, "float32 or bf16 activations.*--quantization none"),
+    ({"compile": True}, "compiled layers.*--quantization none"),
+])
+def test_quantization_gguf_where_it_cannot_serve_is_an_error(tiny_llama_dir, kw, match):
+    kw = {k: str(tiny_llama_dir) if v == "TINY" else v for k, v in kw.items()}
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(device="cpu", max_model_len=256, quantization="gguf",
+                   **kw).create_engine_config()
+
+
+def test_an_unknown_quantization_is_rejected_by_argparse(capsys):
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--quantization", "awq"])
+    assert "invalid choice" in capsys.readouterr().err

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -508,3 +509,42 @@ def test_default_model_path_without_executing_package(
         default_model_path()
     (tmp_path / gguf_loader.DEFAULT_MODEL_FILE).write_bytes(b"GGUF")
     assert default_model_path() == str(tmp_path / gguf_loader.DEFAULT_MODEL_FILE)
+
+
+# ---- weights kept quantized (--quantization gguf) ---------------------------------------------
+
+
+def test_kept_quantized_takes_kernel_types_and_whole_fused_groups(
+        tiny_llama: tuple[Path, dict]) -> None:
+    """Q8_0 linears and the embedding stay as blocks; q/k/v of a layer only when all three
+    have one kernel type (layer 0 mixes Q8_0 and F32, layer 1 has an F32 q); F16 / F32 never."""
+    path, _ = tiny_llama
+    kept = load_gguf(path).kept_quantized()
+    mlp = {f"blk.{i}.ffn_{part}.weight" for i in (0, 1) for part in ("gate", "up", "down")}
+    assert kept == {"token_embd.weight"} | mlp
+
+
+def test_kept_weights_are_the_files_blocks_unpermuted(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every linear Q4_1 / Q8_0 (q and k permuted on disk, as llama.cpp writes them): each kept
+    weight's blocks dequantize to the float path's tensor, so rows are in the HF order."""
+    from ingot.model_executor.layers.quantized import QuantizedWeight
+
+    qtypes = {f"blk.{i}.{part}.weight": qtype for i in (0, 1)
+              for part, qtype in (("attn_q", QT.Q4_1), ("attn_k", QT.Q4_1), ("attn_v", QT.Q4_1),
+                                  ("attn_output", QT.Q4_0), ("ffn_gate", QT.Q8_0),
+                                  ("ffn_up", QT.Q8_0), ("ffn_down", QT.Q4_1))}
+    monkeypatch.setattr(sys.modules[__name__], "DEFAULT_QTYPES",
+                        {**qtypes, "token_embd.weight": QT.Q8_0})
+    path = tmp_path / "quantized.gguf"
+    write_tiny_gguf(path)
+    model = load_gguf(path)
+    floats = dict(model.weights(torch.float32))
+    kept = dict(model.weights(torch.float32, keep_quantized=True))
+    assert set(kept) == set(floats)
+    blocks = {name: w for name, w in kept.items() if isinstance(w, QuantizedWeight)}
+    assert len(blocks) == 2 * 7 + 1  # every linear and the embedding; norms stay float
+    for name, weight in blocks.items():
+        qtype = getattr(QT, weight.qtype)
+        dequantized = gguf.quants.dequantize(weight.raw.numpy(), qtype)
+        assert torch.equal(torch.from_numpy(dequantized), floats[name]), name

@@ -6,8 +6,9 @@ must equal the restatement bit for bit; the result must also sit within the accu
 rounding bound of the float64 product of the dequantized operands. Broken twins (a block's scale
 or min ignored, rows repacked out of order) must fail both checks.
 
-Every kernel test runs each build of :data:`cpu_kernels.QUANT_ISAS` (the ``qk`` fixture): the
-builds this CPU runs are tested, the others skip with the reason."""
+Every kernel test runs each build of :data:`cpu_kernels.QUANT_ISAS` this CPU runs (the ``qk``
+fixture, tests/kernel_builds.py); a build that does not load there fails, and each build the CPU
+cannot run is counted by ``test_build_runs_here`` (test_cpu_kernels.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+import kernel_builds
 from ingot.model_executor.layers import cpu_kernels
 
 gguf = pytest.importorskip("gguf")
@@ -23,24 +25,10 @@ from gguf.quants import dequantize, quantize  # noqa: E402
 QTYPES = tuple(cpu_kernels.QUANT_TYPES)
 
 
-_RUNS = cpu_kernels.quant_isas()
-
-
-@pytest.fixture(params=[isa for isa in cpu_kernels.QUANT_ISAS if isa in _RUNS])
+@pytest.fixture(params=kernel_builds.over("quant"))
 def qk(request) -> cpu_kernels.QuantKernels:
-    """Each build of the quantized library this CPU runs, in turn (the others: one skip each,
-    below)."""
-    kernels = cpu_kernels.load_quant_kernels(request.param)
-    if kernels is None:
-        pytest.skip(f"the {request.param} build of the quantized kernels does not build here "
-                    "(no C compiler)")
-    return kernels
-
-
-@pytest.mark.parametrize("isa", [isa for isa in cpu_kernels.QUANT_ISAS if isa not in _RUNS])
-def test_builds_this_cpu_cannot_run(isa):
-    pytest.skip(f"this CPU does not run the {isa} build of the quantized kernels: its tests "
-                "run on a CPU that does")
+    """Each build of the quantized library this CPU runs, in turn."""
+    return kernel_builds.load("quant", request.param)
 
 
 def _ggml(qtype: str):  # noqa: ANN202
@@ -297,3 +285,46 @@ def test_matmul_rejects_a_mismatched_width(qk):
     packed = cpu_kernels.pack_quant_weight(_weights("Q8_0", 8, 64), "Q8_0", 8, 64)
     with pytest.raises(ValueError, match="does not take 96-wide activations"):
         cpu_kernels.quant_matmul(qk, torch.zeros(1, 96), packed, "Q8_0", 8)
+
+
+# ---- serving: the embedding lookup and fused linears' shards (layers/quantized.py) -----------
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lookup_from_packed_rows_equals_the_gguf_dequantization(qtype, dtype):
+    from ingot.model_executor.layers.quantized import dequantize_packed_rows
+
+    n, k = 21, 96  # a padded last group
+    raw = _weights(qtype, n, k, seed=9)
+    packed = cpu_kernels.pack_quant_weight(raw, qtype, n, k)
+    ids = torch.tensor([[0, 20, 7], [8, 8, 13]])
+    want = torch.from_numpy(dequantize(raw, _ggml(qtype))).to(dtype)[ids]
+    got = dequantize_packed_rows(packed, qtype, ids, dtype)
+    assert got.shape == (2, 3, k) and torch.equal(got, want)
+    # Broken twin: the neighbouring row of the same group is another row's values.
+    assert not torch.equal(dequantize_packed_rows(packed, qtype, ids + 1, dtype)[0, 0], want[0, 0])
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_fused_linear_packs_its_shards_in_row_order(qk, qtype):
+    """Shards of 13 and 11 rows (not whole groups of 8), loaded in either order, pack into the
+    weight of their concatenated rows: the linear's output equals the kernel on that weight."""
+    from ingot.model_executor.layers.bindable import Kernels
+    from ingot.model_executor.layers.linear import MergedLinear
+    from ingot.model_executor.layers.quantized import QuantizedWeight
+
+    k = 64
+    shards = [_weights(qtype, 13, k, seed=1), _weights(qtype, 11, k, seed=2)]
+    linear = MergedLinear(k, [13, 11])
+    for i in (1, 0):
+        linear.weight.weight_loader(
+            linear.weight, QuantizedWeight(torch.from_numpy(shards[i]), qtype, k), i)
+    assert linear.weight.numel() == 0  # the plain values are released at load
+    assert linear.bind_kernels(Kernels(cpu=True))
+    raw = np.concatenate(shards)
+    x = np.random.default_rng(0).standard_normal((3, k)).astype(np.float32)
+    assert np.array_equal(linear(torch.from_numpy(x)).numpy(), _restated(raw, qtype, 24, k, x))
+    # Broken twin: the shards packed in the other order.
+    swapped = np.concatenate(shards[::-1])
+    assert not np.array_equal(linear(torch.from_numpy(x)).numpy(),
+                              _restated(swapped, qtype, 24, k, x))

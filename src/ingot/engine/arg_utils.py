@@ -37,6 +37,7 @@ from ingot.config import (
     KV_CACHE_DTYPES,
     POOLER_CONFIG_KEYS,
     POOLING_TYPES,
+    QUANTIZATIONS,
     RUNNERS,
     CacheConfig,
     CompilationConfig,
@@ -77,6 +78,14 @@ def _bf16_kernel_isa(platform: Any) -> str | None:
     from ingot.model_executor.layers.cpu_kernels import bf16_kernel_isa
 
     return bf16_kernel_isa()
+
+
+def _quant_kernels_load() -> bool:
+    """Whether ingot's GGUF-quantized CPU kernels load here (built once per machine; the
+    worker then loads the same build). Asked by the engine for the reason above."""
+    from ingot.model_executor.layers.cpu_kernels import load_quant_kernels
+
+    return load_quant_kernels() is not None
 
 
 # ---- command-line flags ------------------------------------------------------------------
@@ -224,6 +233,12 @@ class EngineArgs:
     # vLLM's flag: accept prompt_embeds tensors (off: a request with embeds is an error).
     enable_prompt_embeds: bool = field(default=False, metadata=cli(
         "accept prompts given as embeddings (prompt_embeds; docs/serving.md)"))
+    # vLLM's flag. None: "gguf" for a .gguf model generating on CPU where ingot's quantized
+    # kernels serve it, else "none".
+    quantization: str | None = field(default=None, metadata=cli(
+        "gguf: keep a GGUF model's Q4_0 / Q4_1 / Q8_0 weights quantized (CPU; the default for "
+        "a .gguf model there); none: dequantize every weight at load (docs/configuration.md)",
+        choices=QUANTIZATIONS))
     # CPU compute threads: None = from the affinity mask, cgroup quota and OMP_NUM_THREADS /
     # VLLM_CPU_OMP_THREADS_BIND (platforms/cpu_threads.py); adaptive: fewer while contended.
     cpu_threads: int | None = field(default=None, metadata=cli(
@@ -389,6 +404,8 @@ class EngineArgs:
         compilation = self._compilation_config(platform.name, buckets, runner, encoder_only,
                                                speculative is not None, tp,
                                                getattr(model_cls, "eager_only", None))
+        quantization = self._quantization(path, fmt, platform, dtype, tp, compilation.enabled,
+                                          runner)
         prefills = self._max_prefills(additional_config, compilation,
                                       self.max_num_seqs if encoder_only else None)
         backend = self.distributed_executor_backend or ("mp" if tp > 1 else "uni")
@@ -455,6 +472,7 @@ class EngineArgs:
             pooler_config=pooler,
             is_encoder_only=encoder_only,
             enable_prompt_embeds=bool(self.enable_prompt_embeds),
+            quantization=quantization,
         )
         if speculative is not None and self._replicas_synchronise():
             raise ValueError(
@@ -513,6 +531,41 @@ class EngineArgs:
             structured_outputs=structured_outputs,
             speculative_config=speculative,
         )
+
+    def _quantization(self, path: str, fmt: str, platform: Any, dtype: torch.dtype, tp: int,
+                      compiled: bool, runner: str) -> str:
+        """--quantization resolved: "gguf" (a GGUF's quantized weights stay quantized) where
+        ingot's quantized kernels can serve the model, else "none"; asking for "gguf" where
+        they cannot is an error that says why."""
+        asked = self.quantization
+        if asked is not None and asked not in QUANTIZATIONS:
+            raise ValueError(f"quantization {asked!r} is not supported; use "
+                             f"{' or '.join(QUANTIZATIONS)}")
+        if asked == "none" or (asked is None and (fmt != "gguf" or runner == "pooling")):
+            return "none"
+        if fmt != "gguf":
+            raise ValueError(f"--quantization gguf keeps a GGUF file's quantized weights; "
+                             f"{path} is not a .gguf model (drop --quantization)")
+        why_not = None
+        if platform.device_type != "cpu":
+            why_not = (f"ingot's quantized kernels run on CPU only ({platform.name} dequantizes "
+                       "GGUF weights at load)")
+        elif tp > 1:
+            why_not = "weights kept quantized are not split over tensor-parallel ranks yet"
+        elif compiled:
+            why_not = "compiled layers run on dequantized weights"
+        elif dtype not in (torch.bfloat16, torch.float32):
+            why_not = (f"the quantized kernels take float32 or bf16 activations, not "
+                       f"{dtype_name(dtype)}")
+        elif not _quant_kernels_load():
+            why_not = ("ingot's quantized CPU kernels are unavailable here (no C compiler, or "
+                       "INGOT_CPU_KERNELS=0)")
+        if why_not is None:
+            return "gguf"
+        if asked == "gguf":
+            raise ValueError(f"--quantization gguf: {why_not}; use --quantization none")
+        logger.info("GGUF weights are dequantized at load: %s", why_not)
+        return "none"
 
     def _speculative_config(self, runner: str) -> SpeculativeConfig | None:
         value = self._json_arg("speculative_config", self.speculative_config)

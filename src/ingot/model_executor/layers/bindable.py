@@ -16,8 +16,10 @@ from typing import Literal
 from ingot.model_executor.layers.cpu_kernels import (
     CpuKernels,
     F32Kernels,
+    QuantKernels,
     load_cpu_kernels,
     load_f32_kernels,
+    load_quant_kernels,
 )
 
 
@@ -56,6 +58,11 @@ class Kernels:
     def f32(self) -> F32Kernels | None:
         """The float32 library (AVX-512 or AVX2 + FMA): encoders' fused epilogues."""
         return load_f32_kernels() if self.cpu else None
+
+    @cached_property
+    def quant(self) -> QuantKernels | None:
+        """The GGUF-quantized library: linears whose weights the loader kept quantized."""
+        return load_quant_kernels() if self.cpu else None
 
 
 #: No kernels: every layer on torch ops and plain weights.

@@ -9,7 +9,8 @@ output allocation in the kernel wrappers, ~10 calls per layer. This program make
 calls in the same order (so its output equals the module path's bit for bit, tested): ingot's
 GEMV for a few rows and ingot's GEMM or oneDNN's packed linear above, as the linear layers choose,
 with every weight resolved once, per-step arguments converted once, and activations in buffers
-reused across layers. It is built only for decoders it reproduces exactly (dense MLPs, no q/k
+reused across layers. A linear whose GGUF weight stays quantized runs ingot's quantized kernel
+(one ctypes call into the same buffers, every row count), as its module does. It is built only for decoders it reproduces exactly (dense MLPs, no q/k
 norm, one rank), and steps aside while a forward hook is installed anywhere (the accuracy
 toolkit's captures and replacements hook modules, so they keep the module path).
 """
@@ -22,7 +23,12 @@ import torch
 from torch import nn
 
 from ingot.model_executor.layers.attention import AttentionMetadata
-from ingot.model_executor.layers.cpu_kernels import CpuKernels, attention_scratch
+from ingot.model_executor.layers.cpu_kernels import (
+    QUANT_TYPES,
+    CpuKernels,
+    QuantKernels,
+    attention_scratch,
+)
 from ingot.model_executor.layers.linear import gemv_applies
 
 
@@ -41,9 +47,11 @@ def _has_hooks(module: nn.Module) -> bool:
 class CpuDecodeProgram:
     """Built by :meth:`build` for a loaded, packed model (None when any layer cannot take it)."""
 
-    def __init__(self, model: nn.Module, kernels: CpuKernels) -> None:
+    def __init__(self, model: nn.Module, kernels: CpuKernels,
+                 quant: QuantKernels | None) -> None:
         self.model = model
         self.k = kernels
+        self.qk = quant
         decoder = model.model
         first = decoder.layers[0]
         attn = first.self_attn
@@ -58,12 +66,12 @@ class CpuDecodeProgram:
             a, m = layer.self_attn, layer.mlp
             self.layers.append((
                 layer.input_layernorm.weight.data_ptr(), layer.input_layernorm.eps,
-                a.qkv_proj.gemv_weight.data_ptr(), _ptr(a.qkv_proj.bias_f32),
-                a.o_proj.gemv_weight.data_ptr(), _ptr(a.o_proj.bias_f32),
+                _ptr(a.qkv_proj.gemv_weight), _ptr(a.qkv_proj.bias_f32),
+                _ptr(a.o_proj.gemv_weight), _ptr(a.o_proj.bias_f32),
                 layer.post_attention_layernorm.weight.data_ptr(),
                 layer.post_attention_layernorm.eps,
-                m.gate_up_proj.gemv_weight.data_ptr(), _ptr(m.gate_up_proj.bias_f32),
-                m.down_proj.gemv_weight.data_ptr(), _ptr(m.down_proj.bias_f32),
+                _ptr(m.gate_up_proj.gemv_weight), _ptr(m.gate_up_proj.bias_f32),
+                _ptr(m.down_proj.gemv_weight), _ptr(m.down_proj.bias_f32),
                 a.sliding_window or 0, a.scale,
             ))
         # The same four linears for batches above what the GEMV serves: ingot's GEMM weights
@@ -71,9 +79,15 @@ class CpuDecodeProgram:
         # runs oneDNN for those rows.
         self.linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                          layer.mlp.gate_up_proj, layer.mlp.down_proj) for layer in decoder.layers]
-        self.gemm = first.self_attn.qkv_proj.gemm_weight is not None  # as every linear
-        self.gemm_weights = [tuple(lin.gemm_weight.data_ptr() if self.gemm else None
-                                   for lin in linears) for linears in self.linears]
+        self.gemm = any(lin.gemm_weight is not None  # as every unquantized linear
+                        for linears in self.linears for lin in linears)
+        self.gemm_weights = [tuple(_ptr(lin.gemm_weight) for lin in linears)
+                             for linears in self.linears]
+        # (GGML type id, packed weight) of each quantized linear, None for the others.
+        self.quant_weights = [tuple(
+            (QUANT_TYPES[lin.quant_type][0], lin.quant_weight.data_ptr())
+            if lin.quant_weight is not None else None for lin in linears)
+            for linears in self.linears]
         self.cos_sin = first.self_attn.rotary.cos_sin_cache
         self.norm = decoder.norm
         self._buffers: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -89,6 +103,7 @@ class CpuDecodeProgram:
 
     @classmethod
     def build(cls, model: nn.Module, kernels: CpuKernels) -> CpuDecodeProgram | None:
+        """``kernels``: the bf16 library; the quantized linears' own library comes from them."""
         from ingot.distributed.parallel_state import get_tp_group
 
         if get_tp_group().world_size > 1:
@@ -97,21 +112,29 @@ class CpuDecodeProgram:
         layers = getattr(decoder, "layers", None)
         if not layers or getattr(decoder, "norm", None) is None:
             return None
+        gemm_kinds, quant = set(), None
         for layer in layers:
             a, m = layer.self_attn, layer.mlp
             linears = (a.qkv_proj, getattr(a, "o_proj", None), getattr(m, "gate_up_proj", None),
                        getattr(m, "down_proj", None))
-            if any(lin is None or lin.gemv_weight is None
-                   or (lin.packed_weight is None and lin.gemm_weight is None)
-                   or (lin.gemm_weight is None) != (a.qkv_proj.gemm_weight is None)
-                   for lin in linears):
-                return None  # unpacked, or not a dense MLP (MoE)
+            if any(lin is None for lin in linears):
+                return None  # not a dense MLP (MoE)
+            for lin in linears:
+                if lin.quant_weight is not None:
+                    quant = lin.quant_kernels
+                    continue
+                if lin.gemv_weight is None or (lin.packed_weight is None
+                                               and lin.gemm_weight is None):
+                    return None  # unpacked
+                gemm_kinds.add(lin.gemm_weight is not None)
+            if len(gemm_kinds) > 1:
+                return None  # ingot's GEMM for some linears, oneDNN for others
             norms = (layer.input_layernorm, layer.post_attention_layernorm, decoder.norm)
             if any(n.cpu_kernels is None for n in norms) or m.cpu_kernels is None:
                 return None
             if a.q_norm is not None:
                 return None
-        return cls(model, kernels)
+        return cls(model, kernels, quant)
 
     def serves(self, meta: AttentionMetadata) -> bool:
         """A decode step, with no hook anywhere that the program would bypass."""
@@ -160,8 +183,15 @@ class CpuDecodeProgram:
         # not serve go through the modules, whose forward (oneDNN) returns fresh tensors.
         matmul = gemv if use_gemv else k.gemm if self.gemm else None
 
-        def project(module: Any, weight: int | None, src: torch.Tensor, bias: int,
-                    out: torch.Tensor, n_out: int, n_in: int) -> torch.Tensor:
+        def project(module: Any, weight: int | None, quant: tuple[int, int] | None,
+                    src: torch.Tensor, bias: int, out: torch.Tensor, n_out: int,
+                    n_in: int) -> torch.Tensor:
+            if quant is not None:  # bf16 in and out, every row count (as LinearBase.forward)
+                status = self.qk.linear(quant[0], src.data_ptr(), 1, quant[1], bias,
+                                        out.data_ptr(), 1, rows, n_out, n_in, threads)
+                if status:
+                    raise MemoryError("quantized linear: no memory for its activation blocks")
+                return out
             if matmul is None:
                 return module(src)
             # (the GEMM returns nonzero when it could not get its row buffers)
@@ -183,7 +213,8 @@ class CpuDecodeProgram:
             if i in aux_layers:  # EAGLE3: the layer's input, the residual stream
                 aux.append((res if residual_in == rp else embedded).clone())
             weights = (qkv_w, o_w, gu_w, down_w) if use_gemv else self.gemm_weights[i]
-            qkv = project(linears[0], weights[0], x, qkv_b, qkv, qkv_size, hidden)
+            quants = self.quant_weights[i]
+            qkv = project(linears[0], weights[0], quants[0], x, qkv_b, qkv, qkv_size, hidden)
             qkvp = qkv.data_ptr()
             kc = cache.data_ptr()
             vc = kc + value_offset
@@ -199,12 +230,14 @@ class CpuDecodeProgram:
                 attend(qkvp, qkv_size, qkvp + q_bytes, qkv_size, qkvp + q_bytes + kv_bytes,
                        qkv_size, *step_args, kc, vc, *tail_args, window, scale,
                        scratch.data_ptr(), per_thread, threads)
-            h = project(linears[1], weights[1], attn, o_b, h, hidden, heads * head_dim)
+            h = project(linears[1], weights[1], quants[1], attn, o_b, h, hidden,
+                        heads * head_dim)
             rms(h.data_ptr(), residual_in, post_w, xp, rp, rows, hidden, post_eps, threads)
             residual_in = rp
-            gate_up = project(linears[2], weights[2], x, gu_b, gate_up, 2 * inter, hidden)
+            gate_up = project(linears[2], weights[2], quants[2], x, gu_b, gate_up, 2 * inter,
+                              hidden)
             silu(gate_up.data_ptr(), actp, rows, inter, threads)
-            h = project(linears[3], weights[3], act, down_b, h, hidden, inter)
+            h = project(linears[3], weights[3], quants[3], act, down_b, h, hidden, inter)
         out, _ = self.norm(h, res)  # a fresh tensor: the buffers are reused next step
         if aux:
             self.model.model.aux_hidden_states = torch.cat(aux, dim=-1)

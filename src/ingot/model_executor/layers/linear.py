@@ -28,15 +28,27 @@ from ingot.model_executor.layers.cpu_kernels import (
     GEMV_MAX_ROWS,
     GEMV_MAX_ROWS_BESIDE_GEMM,
     CpuKernels,
+    QuantKernels,
     gemm_bf16,
     gemm_preferred,
     gemv_bf16,
     pack_gemm_weight,
     pack_gemv_weight,
+    quant_matmul,
+)
+from ingot.model_executor.layers.quantized import (
+    QuantizedWeight,
+    keep_quantized,
+    packed_weight,
+    quantized_parts,
 )
 
 
-def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+def default_weight_loader(param: nn.Parameter,
+                          loaded_weight: torch.Tensor | QuantizedWeight) -> None:
+    if isinstance(loaded_weight, QuantizedWeight):  # GGUF blocks kept as they are
+        keep_quantized(param, loaded_weight)
+        return
     if param.shape != loaded_weight.shape:
         raise ValueError(
             f"checkpoint tensor has shape {tuple(loaded_weight.shape)}, "
@@ -75,11 +87,28 @@ class LinearBase(KernelBindable, nn.Module):
         self.gemm_weight: torch.Tensor | None = None
         self.packed_weight: torch.Tensor | None = None
         self.bias_f32: torch.Tensor | None = None
+        # A GGUF weight kept quantized (layers/quantized.py), packed at binding for ingot's
+        # quantized kernels, which then serve every row count; its type ("Q4_1", ...).
+        self.quant_kernels: QuantKernels | None = None
+        self.quant_weight: torch.Tensor | None = None
+        self.quant_type: str | None = None
 
     def bind_kernels(self, kernels: Kernels) -> bool:
-        """Pack the weight as ``kernels.pack`` says (``pack_weight``, with ingot's layouts where
-        its bf16 library loaded and the weight is contiguous; ``pack_f32_weight`` for float32
-        weights); returns whether ingot's GEMV serves this linear."""
+        """A weight the loader kept quantized packs for ingot's quantized kernels (whatever
+        ``kernels.pack`` says); else pack the weight as ``kernels.pack`` says (``pack_weight``,
+        with ingot's layouts where its bf16 library loaded and the weight is contiguous;
+        ``pack_f32_weight`` for float32 weights); returns whether ingot's kernels serve this
+        linear."""
+        parts = quantized_parts(self.weight)
+        if parts is not None:
+            if kernels.quant is None:
+                raise RuntimeError(
+                    "this model's weights were kept quantized but ingot's quantized CPU kernels "
+                    "are not available here (see the log); load it with --quantization none")
+            self.quant_kernels = kernels.quant
+            self.quant_weight, self.quant_type = packed_weight(parts)
+            self.bias_f32 = self.bias.detach().float() if self.bias is not None else None
+            return True
         if kernels.pack == "bf16":
             self.pack_weight(kernels.dense_bf16 if self.weight.is_contiguous() else None,
                              kernels.keep_plain)
@@ -132,7 +161,13 @@ class LinearBase(KernelBindable, nn.Module):
 
     def forward(self, x: torch.Tensor, kernel_rows: int = 0) -> torch.Tensor:
         """``kernel_rows``: the rows to choose the kernel by (the step's
-        ``AttentionMetadata.kernel_rows``; 0: ``x``'s own)."""
+        ``AttentionMetadata.kernel_rows``; 0: ``x``'s own). A quantized weight runs ingot's
+        quantized kernel for every row count (it is faster than the bf16 GEMV and GEMM at
+        decode and prefill alike, docs/features.md, and gives a row the same bits whatever
+        the batch), activations and output in the model's dtype."""
+        if self.quant_weight is not None:
+            return quant_matmul(self.quant_kernels, x, self.quant_weight, self.quant_type,
+                                self.output_size, self.bias_f32)
         if self.cpu_kernels is not None and self.gemv_weight is not None:
             rows = x.numel() // self.input_size
             if gemv_applies(kernel_rows or rows, self.gemm_weight is not None):
@@ -216,6 +251,9 @@ class MergedLinear(LinearBase):
             default_weight_loader(param, loaded_weight)
             return
         i = self._shard_index(shard_id)
+        if isinstance(loaded_weight, QuantizedWeight):
+            keep_quantized(param, loaded_weight, self.shard_offsets[i])
+            return
         rows = param.data.narrow(0, self.shard_offsets[i], self.output_sizes[i])
         default_weight_loader(rows, loaded_weight)
 
@@ -237,8 +275,14 @@ class QKVLinear(MergedLinear):
 # ---- tensor parallelism ------------------------------------------------------------------------
 
 
-def shard_of(loaded: torch.Tensor, dim: int, index: int, num_shards: int) -> torch.Tensor:
+def shard_of(loaded: torch.Tensor | QuantizedWeight, dim: int, index: int,
+             num_shards: int) -> torch.Tensor | QuantizedWeight:
     """Shard ``index`` of ``num_shards`` equal slices of ``loaded`` along ``dim`` (a view)."""
+    if isinstance(loaded, QuantizedWeight):
+        if num_shards == 1:
+            return loaded
+        raise ValueError("GGUF weights kept quantized are not split over tensor-parallel ranks "
+                         "yet: load the model with --quantization none")
     size = loaded.shape[dim]
     if size % num_shards:
         raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)}: dim {dim} does not "
@@ -336,6 +380,9 @@ class MergedColumnParallelLinear(MergedLinear):
             return
         i = self._shard_index(shard_id)
         index, count = self._source_shard(i)
+        if isinstance(loaded_weight, QuantizedWeight) and (index, count) == (0, 1):
+            keep_quantized(param, loaded_weight, self.shard_offsets[i])
+            return
         rows = param.data.narrow(0, self.shard_offsets[i], self.output_sizes[i])
         default_weight_loader(rows, shard_of(loaded_weight, 0, index, count))
 
@@ -383,7 +430,8 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 
 def resident_weight_bytes(model: nn.Module) -> int:
     """Bytes the model's weights occupy in memory: every parameter plus the derived layouts
-    the kernels read (oneDNN-packed, GEMV-blocked, float32 biases), each storage once."""
+    the kernels read (oneDNN-packed, GEMV-blocked, float32 biases, quantized blocks: a tied
+    embedding's and LM head's once), each storage once."""
     storages: dict[int, int] = {}
 
     def add(t: torch.Tensor | None) -> None:
@@ -402,6 +450,7 @@ def resident_weight_bytes(model: nn.Module) -> int:
             add(module.gemv_weight)
             add(module.gemm_weight)
             add(module.bias_f32)
+        add(getattr(module, "quant_weight", None))  # quantized linears' and embeddings' blocks
         for t in getattr(module, "kernel_weights", None) or ():  # FusedMoE's packed experts
             add(t)
     return sum(storages.values())

@@ -16,7 +16,13 @@ from torch.nn import functional as F
 from ingot.distributed.group import GroupCoordinator
 from ingot.distributed.parallel_state import get_tp_group
 from ingot.distributed.sequence_parallel import reduce_partial
+from ingot.model_executor.layers.bindable import KernelBindable, Kernels
 from ingot.model_executor.layers.linear import LinearBase, default_weight_loader
+from ingot.model_executor.layers.quantized import (
+    dequantize_packed_rows,
+    packed_weight,
+    quantized_parts,
+)
 
 
 def vocab_shard_range(vocab_size: int, tp: int, rank: int) -> tuple[int, int, int]:
@@ -34,7 +40,11 @@ def _load_vocab_shard(param: nn.Parameter, loaded: torch.Tensor, start: int, rea
     param.data[real:].zero_()
 
 
-class VocabParallelEmbedding(nn.Embedding):
+class VocabParallelEmbedding(KernelBindable, nn.Embedding):
+    """A table the loader kept quantized (GGUF, layers/quantized.py) is looked up from its
+    packed blocks, the looked-up rows dequantized (the float table is never resident); tied to
+    the LM head, both read the one packed copy."""
+
     def __init__(self, num_embeddings: int, embedding_dim: int,
                  tp_group: GroupCoordinator | None = None) -> None:
         self.tp_group = tp_group if tp_group is not None else get_tp_group()
@@ -46,11 +56,22 @@ class VocabParallelEmbedding(nn.Embedding):
         self.weight.requires_grad_(False)
         self.weight.weight_loader = (default_weight_loader if self.tp_size == 1
                                      else self._load_weight)
+        self.quant_weight: torch.Tensor | None = None
+        self.quant_type: str | None = None
+
+    def bind_kernels(self, kernels: Kernels) -> bool:
+        parts = quantized_parts(self.weight)
+        if parts is not None:
+            self.quant_weight, self.quant_type = packed_weight(parts)
+        return False  # torch ops either way
 
     def _load_weight(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         _load_vocab_shard(param, loaded, self.vocab_start, self.num_real)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quant_weight is not None:  # one rank: quantized tables are not sharded
+            return dequantize_packed_rows(self.quant_weight, self.quant_type, input_ids,
+                                          self.weight.dtype)
         if self.tp_size == 1:
             return super().forward(input_ids)
         local = input_ids - self.vocab_start

@@ -23,6 +23,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
+from ingot.model_executor.layers.cpu_kernels import QUANT_TYPES
+from ingot.model_executor.layers.quantized import QuantizedWeight
 from ingot.model_executor.loader.gguf_tokenizer import build_gguf_tokenizer
 from ingot.model_executor.loader.packaged_models import find_packaged
 
@@ -211,6 +213,14 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_RE = re.compile(r"(\w+)\.(weight|bias)")
 # Tensors that carry nothing HF needs (rope_freqs handled separately in the config).
 _SKIPPED_TENSORS = {"rope_freqs.weight"}
+# Weights that may stay quantized (--quantization gguf): the dense linears, in the groups one
+# fused linear takes (a group stays quantized only with one type throughout: its shards pack
+# into one weight), and the token embedding / LM head. MoE experts dequantize.
+_QUANTIZABLE_GROUPS = (("attn_q", "attn_k", "attn_v"), ("attn_output",),
+                       ("ffn_gate", "ffn_up"), ("ffn_down",))
+_QUANTIZABLE_GLOBALS = ("token_embd", "output")
+# GGML types that are not quantized: dequantizing them is only a cast.
+_FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 
 
 def gguf_to_hf_name(name: str) -> str:
@@ -388,12 +398,45 @@ class GGUFModel:
             )
         return self._tokenizer
 
-    def weights(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF name, tensor) pairs, dequantised to float32 then cast to `dtype`.
+    def kept_quantized(self) -> set[str]:
+        """The GGUF tensors that ``weights(keep_quantized=True)`` yields as their file blocks:
+        Q4_0 / Q4_1 / Q8_0 (the types ingot's quantized kernels take) dense linear weights,
+        every tensor of a fused group of one such type, and the token embedding / LM head."""
+        kept: set[str] = set()
+
+        def kernel_type(name: str) -> str | None:
+            info = self.tensors.get(name)
+            if info is None or len(info.shape) != 2 or info.qtype.name not in QUANT_TYPES:
+                return None
+            return info.qtype.name
+
+        for name in _QUANTIZABLE_GLOBALS:
+            if kernel_type(f"{name}.weight"):
+                kept.add(f"{name}.weight")
+        for layer in range(self.config.num_hidden_layers):
+            for group in _QUANTIZABLE_GROUPS:
+                names = [f"blk.{layer}.{part}.weight" for part in group]
+                types = {kernel_type(name) for name in names}
+                if len(types) == 1 and None not in types:
+                    kept.update(names)
+        return kept
+
+    def weights(self, dtype: torch.dtype = torch.float32, keep_quantized: bool = False,
+                ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+        """Yield (HF name, tensor) pairs, dequantised to float32 then cast to `dtype`; with
+        ``keep_quantized``, the tensors of :meth:`kept_quantized` as their file blocks
+        (:class:`QuantizedWeight`, rows un-permuted as the float tensors are).
 
         Tensors are produced one at a time from a memory map, so peak memory stays at about one
         dequantised tensor on top of what the consumer keeps.
         """
+        kept = self.kept_quantized() if keep_quantized else set()
+        if keep_quantized:
+            dequantized = sorted({info.qtype.name for info in self.tensors.values()
+                                  if info.name not in kept and info.qtype not in _FLOAT_TYPES})
+            logger.info("%s: %d tensors kept quantized%s", self.path.name, len(kept),
+                        f"; dequantized (no quantized kernel takes them here): "
+                        f"{', '.join(dequantized)}" if dequantized else "")
         spec = _ARCHITECTURES[self.architecture]
         n_heads = self.config.num_attention_heads
         n_kv = self.config.num_key_value_heads
@@ -405,14 +448,22 @@ class GGUFModel:
                 raw = np.frombuffer(buf, dtype=np.uint8, count=info.nbytes, offset=info.offset)
                 block_size, type_size = GGML_QUANT_SIZES[info.qtype]
                 byte_shape = (*info.shape[:-1], info.shape[-1] // block_size * type_size)
-                array = dequantize(raw.reshape(byte_shape), info.qtype)
-                # F32 comes back as a read-only view of the mmap; everything else is a new array.
-                tensor = torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
-                del raw, array
+                if info.name in kept:  # rows of blocks, copied out of the map
+                    tensor = torch.from_numpy(raw.reshape(byte_shape).copy())
+                else:
+                    array = dequantize(raw.reshape(byte_shape), info.qtype)
+                    # F32 comes back as a read-only view of the mmap; else a new array.
+                    tensor = torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
+                    del array
+                del raw
                 if spec.permute_qk and info.name.endswith(("attn_q.weight", "attn_q.bias")):
                     tensor = unpermute_qk(tensor, n_heads)
                 elif spec.permute_qk and info.name.endswith(("attn_k.weight", "attn_k.bias")):
                     tensor = unpermute_qk(tensor, n_kv)
+                if info.name in kept:  # (q/k: whole rows of blocks, permuted as rows of floats)
+                    yield hf_name, QuantizedWeight(tensor.contiguous(), info.qtype.name,
+                                                   info.shape[-1])
+                    continue
                 if "{e}" in hf_name:  # stacked experts -> one HF tensor per expert
                     for e, expert in enumerate(tensor.unbind(0)):
                         yield hf_name.format(e=e), expert.to(dtype).contiguous()

@@ -17,11 +17,15 @@ logger = logging.getLogger("ingot")
 
 
 def iter_checkpoint(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs; with ``quantization == "gguf"`` a GGUF's quantized linears and
+    embedding come as their file blocks (layers/quantized.py's ``QuantizedWeight``)."""
     if model_config.format == "gguf":
         from ingot.model_executor.loader.gguf_loader import load_gguf
 
         gguf = load_gguf(model_config.model)
-        return progress(gguf.weights(model_config.dtype), "loading weights",
+        weights = gguf.weights(model_config.dtype,
+                               keep_quantized=model_config.quantization == "gguf")
+        return progress(weights, "loading weights",
                         total=len(gguf.tensors), unit="tensor")
     from ingot.model_executor.loader.safetensors_loader import iter_safetensors
 
@@ -47,7 +51,8 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     start = time.perf_counter()
     model = build_model(model_config, device)
     model.load_weights(
-        (name, t.to(device=device, dtype=model_config.dtype) if t.is_floating_point() else t)
+        (name, t.to(device=device, dtype=model_config.dtype)
+         if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
         for name, t in iter_checkpoint(model_config)
     )
     model.eval()
