@@ -130,4 +130,4 @@ def test_defaults_need_no_block_bucket_or_memory_flag():
     # by 0.08 nats) that the quantized activations flip ("L'Étoile, ..."); the fact itself is
     # checked on the dequantized weights (test_chat_answers_paris) and the quantized model's
     # accuracy by the teacher-forced gate (tests/e2e/test_gguf_quantized.py).
-    assert len(out.outputs[0].token_ids) > 0
+    assert out.outputs[0].text.strip() and out.outputs[0].finish_reason in ("stop", "length")
