@@ -32,7 +32,11 @@ EOF
 version=${url%% *}
 url=${url#* }
 # The CPU kind in the name: a native build runs only on CPUs with these instructions.
-kind=$(grep -m1 -o -w -E 'avx512_bf16|avx512f|avx2' /proc/cpuinfo | head -1 || true)
+# (the best of them: grep -o lists flags in /proc/cpuinfo's order, where avx2 comes first)
+kind=""
+for flag in amx_bf16 avx512_bf16 avx512f avx2; do
+  if grep -m1 -q -w "$flag" /proc/cpuinfo; then kind=$flag; break; fi
+done
 out=$peer_dir/llama.cpp-$version-${kind:-generic}
 if [[ -x $out/bin/llama-bench && -x $out/bin/llama-perplexity ]]; then
   echo "$out/bin"

@@ -63,6 +63,10 @@ def weight(mp: pytest.MonkeyPatch, name: str, scale: float = 0.5, rank: int | No
     def perturbed(model_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
         hit = rank is not None and loading[-1:] != [rank]
         for tensor_name, t in load(model_config):
+            if not hit and name in tensor_name and not isinstance(t, torch.Tensor):
+                # A kept-quantized block (--quantization gguf) has no float values to perturb.
+                raise TypeError(f"{tensor_name!r} is kept quantized: build the engine with "
+                                "quantization='none' to perturb it")
             if not hit and name in tensor_name and t.is_floating_point():
                 hit = True
                 noise = torch.randn(t.shape, generator=torch.Generator().manual_seed(0))

@@ -158,19 +158,22 @@ def _default_model_warmup() -> str:
     warmup runs only where a linear runs oneDNN's packed bf16 kernels (built per shape), i.e.
     bf16 linears that ingot's GEMM does not serve (an AMX CPU, or no build of ingot's kernels)
     where oneDNN has a bf16 linear; float32 linears (MKL's or oneDNN's float32 kernels) need
-    none. The default model's widths are even, so ingot's GEMM takes every linear it can."""
+    none. The default model's widths are even, so ingot's GEMM takes every linear it can.
+    Where ingot's quantized kernels load, the GGUF's weights stay quantized (--quantization
+    gguf, the default) and every linear, the tied LM head included, runs them: no warmup."""
     import torch
 
     from ingot.model_executor.layers.cpu_kernels import (
         bf16_kernel_isa,
         gemm_preferred,
         load_cpu_kernels,
+        load_quant_kernels,
     )
     from ingot.model_executor.layers.linear import cpu_packed_linear_supported
     from ingot.platforms.cpu import CpuPlatform
 
     bf16 = CpuPlatform.auto_dtype(None, bf16_kernel_isa()).dtype is torch.bfloat16
-    onednn = (bf16 and cpu_packed_linear_supported(torch.bfloat16, torch.device("cpu"))
+    onednn = (load_quant_kernels() is None and bf16 and cpu_packed_linear_supported(torch.bfloat16, torch.device("cpu"))
               and not (load_cpu_kernels() is not None and gemm_preferred()))
     return "warmup: done, " if onednn else "warmup: skipped"
 

@@ -63,7 +63,7 @@ def test_greedy_twin_a_perturbed_weight_fails(hf_reference):
     from faults import fails, injected
 
     with injected("weight", name="layers.10.mlp.down_proj", scale=0.2):
-        broken = LLM(dtype="float32", max_model_len=1024, max_num_seqs=8)
+        broken = LLM(dtype="float32", quantization="none", max_model_len=1024, max_num_seqs=8)
     with fails():
         _greedy_matches_hf(broken, hf_reference)
 

@@ -1,4 +1,6 @@
-"""`ingot validate` on the default model (SmolLM2-135M GGUF), each gate paired with a broken
+"""`ingot validate` on the default model (SmolLM2-135M GGUF, dequantized: --quantization none,
+as the HF reference is; the kept-quantized path has its own gate in
+tests/e2e/test_gguf_quantized.py), each gate paired with a broken
 config that must fail: bf16 three-way passes, a wrong RoPE theta and a wrong RMSNorm eps fail
 (and tensor compare names where the error enters); fp32 two-way passes, the spec's own eps
 example (1e-6 instead of 1e-5, far below bf16 noise) fails there."""
@@ -47,7 +49,7 @@ def reference():
 def passing(reference, tmp_path_factory):
     out = tmp_path_factory.mktemp("validate-bf16")
     report = run_validation(
-        EngineArgs(dtype="bfloat16", max_model_len=MAX_MODEL_LEN),
+        EngineArgs(dtype="bfloat16", quantization="none", max_model_len=MAX_MODEL_LEN),
         report_dir=out,
         reference=reference,
         progress=False,
@@ -94,7 +96,7 @@ def test_rope_theta_override_fails_and_compare_names_layer0_attention(tmp_path):
             "--hf-overrides", '{"rope_theta": 50000}', "--max-model-len", str(MAX_MODEL_LEN),
             # bf16 as the gate above, whatever this CPU's default dtype (fp32 without bf16
             # math: a two-way run, which has no sigma ratio to assert on)
-            "--dtype", "bfloat16",
+            "--dtype", "bfloat16", "--quantization", "none",
             "--report", str(out), "--no-kv-analysis",  # (asserted by the bf16 gate above)
             # The bug is gross, so half the default prompts, 6 tokens each, and a capture of
             # what the assertions name (embeddings, layer 0) show it (sigma ratio 1.59 over
@@ -124,7 +126,8 @@ def test_rms_norm_eps_override_fails(reference, passing, tmp_path):
     # noise: see the fp32 test below for where that one is caught).
     report = run_validation(
         EngineArgs(
-            dtype="bfloat16", max_model_len=MAX_MODEL_LEN, hf_overrides={"rms_norm_eps": 1e-3}
+            dtype="bfloat16", quantization="none", max_model_len=MAX_MODEL_LEN,
+            hf_overrides={"rms_norm_eps": 1e-3},
         ),
         max_tokens=4,  # the error is gross: sigma ratio 2.0 over 16 x 4 (1.9 over 16 x 8)
         report_dir=tmp_path,
@@ -150,7 +153,8 @@ def test_fp32_two_way(reference, passing, overrides, passes):
     # tokens are plenty: worst top-5 error measured 2e-7 (bound 1e-5) and 3.1e-4 (bound 2e-4,
     # tolerance 1e-4) here, 1e-6 and 4.1e-4 over 6 x 8.
     report = run_validation(
-        EngineArgs(dtype="float32", max_model_len=MAX_MODEL_LEN, hf_overrides=overrides),
+        EngineArgs(dtype="float32", quantization="none", max_model_len=MAX_MODEL_LEN,
+                   hf_overrides=overrides),
         prompts=passing.prompts[:3],
         max_tokens=4,
         reference=HFReference(reference.baseline, None),

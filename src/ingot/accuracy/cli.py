@@ -84,6 +84,11 @@ def add_validate_parser(sub: argparse._SubParsersAction) -> None:
                     f"two models given ({ns.model_pos!r} and --model {ns.model!r}); give one"
                 )
             ns.model = ns.model_pos
+        if ns.quantization is None:
+            # The reference is HF on the checkpoint's weights dequantized; the kept-quantized
+            # path (a GGUF's default on CPU) also quantizes activations, an error the dtype's
+            # noise criteria would report as a bug. Validate the engine's math unless asked.
+            ns.quantization = "none"
         prompts = load_prompts(ns.prompts) if ns.prompts else None
         # One prompt at a time; prompts of any length, so the token budget stays the default.
         size_one_shot(ns, 1, None)

@@ -254,6 +254,10 @@ class ModelCompiler:
                 # Dynamo cannot trace oneDNN's opaque pre-packed weights (nor ingot's kernels):
                 # compiled layers use the plain weight (the eager head and embedding keep
                 # their packing).
+                if module.weight.numel() == 0:
+                    raise RuntimeError(
+                        "a linear's plain weight was released when its packed copy was made; "
+                        "bind the model with keep_plain (compilation enabled) to compile it")
                 module.packed_weight = module.gemv_weight = module.gemm_weight = None
             if getattr(module, "cpu_kernels", None) is not None:
                 module.cpu_kernels = None  # ctypes kernels are opaque to Dynamo too
