@@ -160,7 +160,8 @@ def _default_model_warmup() -> str:
     where oneDNN has a bf16 linear; float32 linears (MKL's or oneDNN's float32 kernels) need
     none. The default model's widths are even, so ingot's GEMM takes every linear it can.
     Where ingot's quantized kernels load, the GGUF's weights stay quantized (--quantization
-    gguf, the default) and every linear, the tied LM head included, runs them: no warmup."""
+    gguf, the default) and every linear, the tied LM head included, runs them: no warmup, but
+    where prefill steps run them dense on oneDNN (AMX, quant_dense_preferred)."""
     import torch
 
     from ingot.model_executor.layers.cpu_kernels import (
@@ -168,12 +169,15 @@ def _default_model_warmup() -> str:
         gemm_preferred,
         load_cpu_kernels,
         load_quant_kernels,
+        quant_dense_preferred,
     )
     from ingot.model_executor.layers.linear import cpu_packed_linear_supported
     from ingot.platforms.cpu import CpuPlatform
 
     bf16 = CpuPlatform.auto_dtype(None, bf16_kernel_isa()).dtype is torch.bfloat16
-    onednn = (load_quant_kernels() is None and bf16 and cpu_packed_linear_supported(torch.bfloat16, torch.device("cpu"))
+    if load_quant_kernels() is not None:  # prefill steps dequantize onto oneDNN on AMX
+        return "warmup: done, " if bf16 and quant_dense_preferred() else "warmup: skipped"
+    onednn = (bf16 and cpu_packed_linear_supported(torch.bfloat16, torch.device("cpu"))
               and not (load_cpu_kernels() is not None and gemm_preferred()))
     return "warmup: done, " if onednn else "warmup: skipped"
 

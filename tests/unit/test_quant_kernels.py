@@ -328,3 +328,29 @@ def test_fused_linear_packs_its_shards_in_row_order(qk, qtype):
     swapped = np.concatenate(shards[::-1])
     assert not np.array_equal(linear(torch.from_numpy(x)).numpy(),
                               _restated(swapped, qtype, 24, k, x))
+
+
+# ---- dequantize: the dense weight a prefill step runs on oneDNN where AMX makes that faster ----
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize(("n", "k"), [(16, 96), (13, 64), (960, 576)])  # 13: a padded group
+def test_dequantize_equals_the_gguf_package(qk, qtype, n, k):
+    """Every value is the ``gguf`` package's dequantization in float32, rounded once to bf16."""
+    raw = _weights(qtype, n, k, seed=6)
+    packed = cpu_kernels.pack_quant_weight(raw, qtype, n, k)
+    want = torch.from_numpy(dequantize(raw, _ggml(qtype)).reshape(n, k).astype(np.float32))
+    dense = cpu_kernels.quant_dequantize(qk, packed, qtype, n, torch.float32)
+    assert torch.equal(dense, want)
+    assert torch.equal(cpu_kernels.quant_dequantize(qk, packed, qtype, n, torch.bfloat16),
+                       want.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_twin_dequantize_with_a_blocks_scale_ignored_fails(qk, qtype):
+    n, k = 16, 96
+    raw = _weights(qtype, n, k, seed=7)
+    packed = cpu_kernels.pack_quant_weight(raw, qtype, n, k)
+    packed[1, 2, 2 * 5:2 * 5 + 2] = _f16_bytes(1.0)  # row 13, block 2: scale read as 1
+    want = torch.from_numpy(dequantize(raw, _ggml(qtype)).reshape(n, k).astype(np.float32))
+    assert not torch.equal(cpu_kernels.quant_dequantize(qk, packed, qtype, n, torch.float32), want)

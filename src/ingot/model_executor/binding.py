@@ -26,7 +26,12 @@ from ingot.model_executor.layers.attention_backend import (
     DecodeProgram,
 )
 from ingot.model_executor.layers.bindable import KernelBindable, Kernels
-from ingot.model_executor.layers.cpu_kernels import load_cpu_kernels, onednn_f32_preferred
+from ingot.model_executor.layers.cpu_kernels import (
+    QUANT_DENSE_MIN_ROWS,
+    load_cpu_kernels,
+    onednn_f32_preferred,
+    quant_dense_preferred,
+)
 from ingot.model_executor.layers.linear import cpu_packed_linear_supported
 
 
@@ -38,7 +43,9 @@ def select_kernels(model: nn.Module, dtype: torch.dtype, device: torch.device,
     oneDNN's bf16 linear beside them where this CPU has it. float32 linears, an encoder's and a
     decoder's, pack for oneDNN's float32 linear at every row count where it beats MKL's sgemm
     (``onednn_f32_preferred``: CPUs not made by Intel), never beside plain weights kept for
-    compilation. ``INGOT_DISABLE_PACKED_LINEAR`` keeps every linear plain. ``keep_plain``: the
+    compilation. Quantized linears of a bf16 model run oneDNN's bf16 linear on their weight
+    dequantized per call at prefill row counts where ``quant_dense_preferred`` (AMX).
+    ``INGOT_DISABLE_PACKED_LINEAR`` keeps every linear plain. ``keep_plain``: the
     layers will be compiled and run on their plain weights."""
     if device.type != "cpu":
         return Kernels()
@@ -53,7 +60,8 @@ def select_kernels(model: nn.Module, dtype: torch.dtype, device: torch.device,
         # does), so a decode row's linears equal its verification row's and its batched
         # self's. Faster at every row count on both cores (onednn_f32_preferred).
         pack = "f32"
-    return Kernels(cpu=True, pack=pack, keep_plain=keep_plain)
+    dense_rows = QUANT_DENSE_MIN_ROWS if dtype == torch.bfloat16 and quant_dense_preferred() else 0
+    return Kernels(cpu=True, pack=pack, keep_plain=keep_plain, quant_dense_rows=dense_rows)
 
 
 @dataclass

@@ -38,6 +38,10 @@ class Kernels:
     pack: Literal["bf16", "f32"] | None = None
     #: Keep the plain weights beside the packed copies (compiled layers run on them).
     keep_plain: bool = False
+    #: Quantized linears (GGUF blocks kept) of this many rows or more dequantize their weight
+    #: per call and run oneDNN's bf16 linear (AMX: several times the integer dots at prefill
+    #: buckets' row counts); 0: ingot's quantized kernel at every row count.
+    quant_dense_rows: int = 0
 
     # The libraries load the first time a layer asks, so that a model without such layers
     # never builds them (each loader caches its library per process).

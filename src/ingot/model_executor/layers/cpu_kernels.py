@@ -206,6 +206,30 @@ def gemm_preferred() -> bool:
     return " amx_bf16" not in _cpu_flags()
 
 
+#: Rows from which a quantized linear runs dense where ``quant_dense_preferred``: every prefill
+#: step (prefill token buckets start at 128 rows) and no decode step of up to 127 requests (the
+#: decode program runs those on the quantized kernel whatever their count). Measured on a Xeon
+#: with AMX (2 vCPUs, bench/quant_linear.py and the engine): the default model's gate_up at 1024
+#: rows 10.4 ms on the quantized kernel, 1.6 ms on oneDNN's bf16 linear plus 1.2 ms to
+#: dequantize its Q4_1 blocks; at 64 rows 0.66 ms against 0.26 + 1.2 ms.
+QUANT_DENSE_MIN_ROWS = 128
+
+
+def quant_dense_preferred() -> bool:
+    """Whether a bf16 model's quantized linears run oneDNN's bf16 linear on the weight
+    dequantized per call at ``QUANT_DENSE_MIN_ROWS`` rows and more: on CPUs where oneDNN's bf16
+    linear runs on AMX tiles, unless ``INGOT_CPU_QUANT_DENSE`` says otherwise (``on`` or
+    ``off``). Elsewhere oneDNN's bf16 GEMM is no faster than the integer dots (AVX-512 BF16
+    without AMX) or emulated (AVX2)."""
+    choice = os.environ.get("INGOT_CPU_QUANT_DENSE", "auto")
+    if choice not in ("auto", "on", "off"):
+        raise ValueError(f"INGOT_CPU_QUANT_DENSE must be auto, on or off, got {choice!r}")
+    if choice != "auto":
+        return choice == "on"
+    return (_cpu_has("amx_bf16", "amx_tile") and torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def onednn_f32_preferred() -> bool:
     """Whether float32 CPU linears (encoders' and decoders', at every row count) run oneDNN's
     packed kernels rather than MKL's sgemm: on CPUs not made by Intel, whose cores MKL's sgemm
@@ -724,6 +748,7 @@ class QuantKernels:
                             i32)
         self.linear = _bind(lib.ingot_quant_linear, [i32, p, i32, p, p, p, i32] + [i64] * 3 + [i32],
                             i32)
+        self.dequantize = _bind(lib.ingot_quant_dequantize, [i32, p, p, i32, i64, i64, i32], i32)
 
 
 def quant_isas() -> tuple[str, ...]:
@@ -830,3 +855,21 @@ def quant_matmul(kernels: QuantKernels, x: torch.Tensor, packed: torch.Tensor, q
     if status:
         raise ValueError(f"the quantized kernels do not take {qtype}")
     return y.view(*x.shape[:-1], out_features)
+
+
+def quant_dequantize(kernels: QuantKernels, packed: torch.Tensor, qtype: str, out_features: int,
+                     dtype: torch.dtype = torch.bfloat16, threads: int | None = None,
+                     ) -> torch.Tensor:
+    """The dense [out_features, K] weight of one from :func:`pack_quant_weight`, in ``dtype``
+    (bf16 or float32): each value the ``gguf`` package's dequantization rounded once, as
+    :func:`~ingot.model_executor.layers.quantized.dequantize_packed_rows` gives a row."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"a dequantized weight is float32 or bf16, got {dtype}")
+    k = packed.shape[1] * 32
+    y = torch.empty(out_features, k, dtype=dtype)
+    status = kernels.dequantize(QUANT_TYPES[qtype][0], packed.data_ptr(), y.data_ptr(),
+                                int(dtype == torch.bfloat16), out_features, k,
+                                threads or torch.get_num_threads())
+    if status:
+        raise ValueError(f"the quantized kernels do not take {qtype}")
+    return y

@@ -219,3 +219,57 @@ int ingot_quant_linear(int qtype, const void *x, int x_bf16, const uint8_t *w, c
     free(xq);
     return status;
 }
+
+/* W repacked (above) -> dense y [N, K] (float32, or bf16 where y_bf16), each value the gguf
+   package's dequantization in float32 (Q8_0 d q, Q4_0 d (q - 8), Q4_1 d q + m) rounded once:
+   the weight a step of many rows multiplies by a dense GEMM (oneDNN's AMX bf16 is several
+   times this library's integer dots at hundreds of rows), made per call instead of kept.
+   Threads take groups of 8 rows. Returns -1 for a type this library does not take, else 0. */
+int ingot_quant_dequantize(int qtype, const uint8_t *w, void *y, int y_bf16, int64_t N,
+                           int64_t K, int nthreads) {
+    const int64_t GB = ingot_quant_group_bytes(qtype), nb = K / 32;
+    if (GB == 0) return -1;
+    const int64_t groups = (N + QROWS - 1) / QROWS;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t gi = 0; gi < groups; gi++) {
+        const int64_t rows = N - gi * QROWS < QROWS ? N - gi * QROWS : QROWS;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *gb = w + (gi * nb + b) * GB;
+            for (int64_t r = 0; r < rows; r++) {
+                uint16_t h;
+                memcpy(&h, gb + 2 * r, 2);
+                const float d = from_fp16(h);
+                float m = 0.0f, v[32];
+                if (qtype == QT_Q4_1) {
+                    memcpy(&h, gb + 16 + 2 * r, 2);
+                    m = from_fp16(h);
+                }
+                if (qtype == QT_Q8_0) {
+                    for (int c = 0; c < 8; c++)
+                        for (int j = 0; j < 4; j++)
+                            v[4 * c + j] = d * (float)(int8_t)gb[16 + 32 * c + 4 * r + j];
+                } else {
+                    const uint8_t *qs = gb + (qtype == QT_Q4_1 ? 32 : 16);
+                    for (int c = 0; c < 4; c++)
+                        for (int j = 0; j < 4; j++) {
+                            const uint8_t byte = qs[32 * c + 4 * r + j];
+                            const int lo = byte & 15, hi = byte >> 4;
+                            if (qtype == QT_Q4_0) {
+                                v[8 * c + j] = d * (float)(lo - 8);
+                                v[8 * c + 4 + j] = d * (float)(hi - 8);
+                            } else {
+                                v[8 * c + j] = d * (float)lo + m;
+                                v[8 * c + 4 + j] = d * (float)hi + m;
+                            }
+                        }
+                }
+                const int64_t at = (gi * QROWS + r) * K + 32 * b;
+                if (y_bf16)
+                    for (int i = 0; i < 32; i++) ((uint16_t *)y)[at + i] = to_bf16(v[i]);
+                else
+                    memcpy((float *)y + at, v, sizeof v);
+            }
+        }
+    }
+    return 0;
+}

@@ -34,6 +34,7 @@ from ingot.model_executor.layers.cpu_kernels import (
     gemv_bf16,
     pack_gemm_weight,
     pack_gemv_weight,
+    quant_dequantize,
     quant_matmul,
 )
 from ingot.model_executor.layers.quantized import (
@@ -92,6 +93,8 @@ class LinearBase(KernelBindable, nn.Module):
         self.quant_kernels: QuantKernels | None = None
         self.quant_weight: torch.Tensor | None = None
         self.quant_type: str | None = None
+        #: Rows from which the quantized weight runs dense (Kernels.quant_dense_rows; 0 never).
+        self.quant_dense_rows = 0
 
     def bind_kernels(self, kernels: Kernels) -> bool:
         """A weight the loader kept quantized packs for ingot's quantized kernels (whatever
@@ -107,6 +110,7 @@ class LinearBase(KernelBindable, nn.Module):
                     "are not available here (see the log); load it with --quantization none")
             self.quant_kernels = kernels.quant
             self.quant_weight, self.quant_type = packed_weight(parts)
+            self.quant_dense_rows = kernels.quant_dense_rows
             self.bias_f32 = self.bias.detach().float() if self.bias is not None else None
             return True
         if kernels.pack == "bf16":
@@ -162,10 +166,19 @@ class LinearBase(KernelBindable, nn.Module):
     def forward(self, x: torch.Tensor, kernel_rows: int = 0) -> torch.Tensor:
         """``kernel_rows``: the rows to choose the kernel by (the step's
         ``AttentionMetadata.kernel_rows``; 0: ``x``'s own). A quantized weight runs ingot's
-        quantized kernel for every row count (it is faster than the bf16 GEMV and GEMM at
-        decode and prefill alike, docs/features.md, and gives a row the same bits whatever
-        the batch), activations and output in the model's dtype."""
+        quantized kernel (faster than the bf16 GEMV and GEMM at decode and prefill alike,
+        docs/features.md, and a row's bits do not depend on the batch), activations and output
+        in the model's dtype; from ``quant_dense_rows`` rows (AMX: every prefill step, see
+        ``cpu_kernels.QUANT_DENSE_MIN_ROWS``) its weight dequantized for the call, on oneDNN."""
         if self.quant_weight is not None:
+            rows = kernel_rows or x.numel() // self.input_size
+            if self.quant_dense_rows and rows >= self.quant_dense_rows:
+                # A prefill step's rows on AMX: the dequantized weight (this call's only) on
+                # oneDNN's bf16 linear beats the integer dots several times over.
+                weight = quant_dequantize(self.quant_kernels, self.quant_weight, self.quant_type,
+                                          self.output_size, x.dtype)
+                bias = self.bias_f32.to(x.dtype) if self.bias_f32 is not None else None
+                return F.linear(x, weight, bias)
             return quant_matmul(self.quant_kernels, x, self.quant_weight, self.quant_type,
                                 self.output_size, self.bias_f32)
         if self.cpu_kernels is not None and self.gemv_weight is not None:
@@ -216,12 +229,14 @@ def gemv_applies(rows: int, beside_gemm: bool) -> bool:
 def runs_onednn_linears(model: nn.Module) -> bool:
     """Whether any linear of ``model`` runs oneDNN's packed bf16 kernels, which oneDNN builds
     (just in time) for each new input shape on first use: the eager warmup exists for them.
+    Quantized linears that run dense at prefill (``quant_dense_rows``) run them too.
     ingot's GEMV/GEMM and MKL's float32 GEMM (plain weights) build nothing per shape, and
     oneDNN's float32 kernels little: its first call at a new row count took 0.5-1.5 ms more
     than the next per linear shape on an AMD EPYC (Zen 3, AVX2), ~8 ms a row count for the
     default model, where warming its 18 shapes up took 74 s (a busy machine)."""
-    return any(isinstance(m, LinearBase) and m.packed_weight is not None
-               and m.packed_weight.dtype != torch.float32 for m in model.modules())
+    return any(isinstance(m, LinearBase) and (m.quant_dense_rows > 0 or (
+        m.packed_weight is not None and m.packed_weight.dtype != torch.float32))
+        for m in model.modules())
 
 
 class ReplicatedLinear(LinearBase):
