@@ -212,6 +212,8 @@ def summarize_setting(runs: Sequence[Run]) -> dict[str, Any]:
             elif w == "llama_pp":
                 values.setdefault("llama_pp", []).append(r["time_s"])
                 values.setdefault("llama_pp_tok_s", []).append(r["tok_s"])
+            if w in ("llama_tg", "llama_pp") and r.get("repack") == 0:
+                out_dtype.add(f"{w[6:]} with --repack 0 (its default crashed)")
             if isinstance(r.get("dtype"), str):  # what an engine says it ran (ingot bench)
                 out_dtype.add(f"{r['dtype']}" + (f" on {r['kernels']}" if "kernels" in r else ""))
             if w == "llama_file":

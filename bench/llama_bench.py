@@ -3,9 +3,11 @@
     .venv/bin/python bench/llama_bench.py "$(bench/llama_cpp.sh)/llama-bench"        # default model
     .venv/bin/python bench/llama_bench.py PATH/llama-bench --model some.gguf --threads 2
 
-Runs ``llama-bench -p 1024 -n 128 -r REPEATS -o json`` (llama.cpp's own pp1024 and tg128: a
-1024-token prompt processed in one batch, and 128 tokens generated one at a time from an empty
-context) with as many threads as this process may use, and prints::
+Runs ``llama-bench -n 128`` and ``-p 1024`` (``-r REPEATS -o json``; llama.cpp's own tg128 and
+pp1024: 128 tokens generated one at a time from an empty context, and a 1024-token prompt
+processed in one batch) with as many threads as this process may use, each test in its own run,
+rerun with ``--repack 0`` (llama.cpp's weights as the file has them) where its default crashes,
+which the RESULT line then says (``repack=0``), and prints::
 
     RESULT workload=llama_tg engine=llama.cpp n_gen=128 output_tok_s=... threads=2
     RESULT workload=llama_pp engine=llama.cpp n_prompt=1024 tok_s=... time_s=... threads=2
@@ -53,18 +55,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ingot.model_executor.loader.gguf_loader import default_model_path
 
         model = str(default_model_path())
-    cmd = [args.llama_bench, "-m", model, "-p", str(PROMPT), "-n", str(GEN), "-t",
-           str(args.threads), "-r", str(args.repeats), "-o", "json"]
-    print("running: " + " ".join(cmd), file=sys.stderr, flush=True)
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=3600)
-    if proc.returncode != 0:
-        print(f"llama-bench exited with {proc.returncode}", file=sys.stderr)
-        return proc.returncode
-    lines = results_lines(json.loads(proc.stdout), args.threads)
+    base = [args.llama_bench, "-m", model, "-t", str(args.threads), "-r", str(args.repeats),
+            "-o", "json"]
+    lines: list[str] = []
+    # One test per run: a crash of one (llama.cpp's repacked AMX path segfaulted at pp on a
+    # Xeon with AMX, build 11434) must not lose the other.
+    for test in (["-p", "0", "-n", str(GEN)], ["-p", str(PROMPT), "-n", "0"]):
+        for extra in ([], ["--repack", "0"]):
+            cmd = base + test + extra
+            print("running: " + " ".join(cmd), file=sys.stderr, flush=True)
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=3600)
+            if proc.returncode == 0:
+                note = " repack=0" if extra else ""
+                lines += [line + note for line in results_lines(json.loads(proc.stdout),
+                                                                args.threads)]
+                break
+            print(f"llama-bench exited with {proc.returncode}"
+                  + ("" if extra else "; again without its repacked weights (--repack 0)"),
+                  file=sys.stderr, flush=True)
     print(f"RESULT workload=llama_file engine=llama.cpp model={os.path.basename(model)}")
     print("\n".join(lines), flush=True)
     return 0 if lines else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())
