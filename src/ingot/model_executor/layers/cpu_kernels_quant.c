@@ -235,41 +235,35 @@ int ingot_quant_dequantize(int qtype, const uint8_t *w, void *y, int y_bf16, int
         const int64_t rows = N - gi * QROWS < QROWS ? N - gi * QROWS : QROWS;
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *gb = w + (gi * nb + b) * GB;
-            /* The block's 8 rows x 32 weights as integers, in the file's order per row: the
-               bytes are read in their stored order (contiguous loads), then scaled row by row
-               in loops of 32 the compiler vectorises. */
-            float q[QROWS][32], d[QROWS], m[QROWS];
-            for (int r = 0; r < QROWS; r++) {
+            for (int64_t r = 0; r < rows; r++) {
                 uint16_t h;
                 memcpy(&h, gb + 2 * r, 2);
-                d[r] = from_fp16(h);
-                m[r] = 0.0f;
+                const float d = from_fp16(h);
+                float m = 0.0f, v[32];
                 if (qtype == QT_Q4_1) {
                     memcpy(&h, gb + 16 + 2 * r, 2);
-                    m[r] = from_fp16(h);
+                    m = from_fp16(h);
                 }
-            }
-            if (qtype == QT_Q8_0) {
-                const int8_t *qs = (const int8_t *)(gb + 16);
-                for (int c = 0; c < 8; c++)
-                    for (int i = 0; i < 32; i++) q[i >> 2][4 * c + (i & 3)] = (float)qs[32 * c + i];
-            } else {
-                const uint8_t *qs = gb + (qtype == QT_Q4_1 ? 32 : 16);
-                const int off = qtype == QT_Q4_0 ? 8 : 0;
-                for (int c = 0; c < 4; c++)
-                    for (int i = 0; i < 32; i++) {
-                        const uint8_t byte = qs[32 * c + i];
-                        q[i >> 2][8 * c + (i & 3)] = (float)((byte & 15) - off);
-                        q[i >> 2][8 * c + 4 + (i & 3)] = (float)((byte >> 4) - off);
-                    }
-            }
-            for (int64_t r = 0; r < rows; r++) {
+                if (qtype == QT_Q8_0) {
+                    for (int c = 0; c < 8; c++)
+                        for (int j = 0; j < 4; j++)
+                            v[4 * c + j] = d * (float)(int8_t)gb[16 + 32 * c + 4 * r + j];
+                } else {
+                    const uint8_t *qs = gb + (qtype == QT_Q4_1 ? 32 : 16);
+                    for (int c = 0; c < 4; c++)
+                        for (int j = 0; j < 4; j++) {
+                            const uint8_t byte = qs[32 * c + 4 * r + j];
+                            const int lo = byte & 15, hi = byte >> 4;
+                            if (qtype == QT_Q4_0) {
+                                v[8 * c + j] = d * (float)(lo - 8);
+                                v[8 * c + 4 + j] = d * (float)(hi - 8);
+                            } else {
+                                v[8 * c + j] = d * (float)lo + m;
+                                v[8 * c + 4 + j] = d * (float)hi + m;
+                            }
+                        }
+                }
                 const int64_t at = (gi * QROWS + r) * K + 32 * b;
-                float v[32];
-                if (qtype == QT_Q4_1)
-                    for (int i = 0; i < 32; i++) v[i] = d[r] * q[r][i] + m[r];
-                else
-                    for (int i = 0; i < 32; i++) v[i] = d[r] * q[r][i];
                 if (y_bf16)
                     for (int i = 0; i < 32; i++) ((uint16_t *)y)[at + i] = to_bf16(v[i]);
                 else
