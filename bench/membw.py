@@ -120,8 +120,14 @@ def main() -> None:
         model = default_model_path()
     numels, hidden = model_numels(model)
     wbytes = decode_weight_bytes(numels, hidden)
-    print(f"RESULT workload=decode_bound model={Path(model).name} weight_bytes={wbytes} "
-          f"bound_tok_s={bound_tok_s(wbytes, read):.1f}", flush=True)
+    line = (f"RESULT workload=decode_bound model={Path(model).name} weight_bytes={wbytes} "
+            f"bound_tok_s={bound_tok_s(wbytes, read):.1f}")
+    if Path(model).is_file():  # a GGUF: its tensors' own bytes, as --quantization gguf reads
+        from gguf import GGUFReader  # them (the tied embedding is the LM head's blocks)
+
+        fbytes = sum(int(t.n_bytes) for t in GGUFReader(model).tensors)
+        line += f" file_weight_bytes={fbytes} file_bound_tok_s={bound_tok_s(fbytes, read):.1f}"
+    print(line, flush=True)
 
 
 if __name__ == "__main__":

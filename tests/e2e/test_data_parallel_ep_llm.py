@@ -54,6 +54,24 @@ def test_greedy_tokens_equal_one_engine_with_every_expert(runs):
     assert runs[2][0] == runs[1][0]
 
 
+def test_dp_ep_twin_a_wrong_router_in_one_replica_fails(runs, tmp_path):
+    """Broken twin: replica 1 (global rank 1) loads layer 0's router weight wrong, so its
+    tokens go to other experts than one engine's would."""
+    from faults import fails, injected_in_children
+
+    path = make_tiny_model("qwen3_moe", tmp_path, vocab_size=259)  # the same seeded weights
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    with injected_in_children("weight", name="layers.0.mlp.gate.weight", rank=1):
+        llm = LLM(str(path), data_parallel_size=2, enable_expert_parallel=True, dtype="float32",
+                  skip_tokenizer_init=True, max_model_len=128, block_size=4)
+    try:
+        tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    finally:
+        llm.llm_engine.shutdown()
+    with fails():
+        assert tokens == runs[1][0]
+
+
 def test_each_replica_holds_half_the_experts_and_the_idle_one_ran_dummies(runs):
     (r0, start0, n0, dp0, dummies0), (r1, start1, n1, dp1, dummies1) = runs[2][1]
     assert (r0, start0, n0, dp0) == (0, 0, 2, [0, 1])

@@ -61,8 +61,25 @@ def test_greedy_text_equals_tp1(answers):
 
 
 def test_logprobs_within_1e5_of_tp1(answers):
-    for got, ref in zip(answers[2]["logprobs"], answers[1]["logprobs"], strict=True):
+    _logprobs_within_1e5(answers[2], answers[1])
+
+
+def _logprobs_within_1e5(got_answers: dict, ref_answers: dict) -> None:
+    for got, ref in zip(got_answers["logprobs"], ref_answers["logprobs"], strict=True):
         assert got == pytest.approx(ref, abs=1e-5)
+
+
+def test_tp_server_twin_a_perturbed_shard_on_one_rank_fails(answers, tiny_llama_dir, tmp_path):
+    """Broken twin: the -tp 2 server's rank 1 loads its shard of one weight 5% off (rank 0's
+    is right); the logprob gate against -tp 1 must see it."""
+    from faults import child_env, fails
+
+    env = child_env("weight", name="layers.0.self_attn.o_proj", scale=0.05, rank=1)
+    with run_server([str(tiny_llama_dir), *TINY_FLAGS, "-tp", "2"], tmp_path,
+                    startup_timeout=120, env=env) as server:
+        broken = _answers(server)
+    with fails():
+        _logprobs_within_1e5(broken, answers[1])
 
 
 def _worker_pids(server_pid: int) -> list[int]:
