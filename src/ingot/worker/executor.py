@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -151,11 +152,19 @@ class ComputeThread:
                 future.set_result(fn(*args))
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on it
                 future.set_exception(exc)
+            # While it waits for the next call this frame must hold nothing: the last call's
+            # arguments and result (the worker itself) would outlive an engine dropped
+            # without shutdown(), model and KV cache included.
+            del call, fn, args, future
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         future: Future = Future()
         self._calls.put((fn, args, future))
         return future
+
+    def release(self) -> None:
+        """End the thread after the calls already submitted, without waiting for it."""
+        self._calls.put(None)
 
     def stop(self) -> None:
         """Finish the calls already submitted, then end the thread."""
@@ -182,6 +191,9 @@ class UniProcExecutor(Executor):
         except BaseException:
             self._device.stop()
             raise
+        # An engine dropped without shutdown() (an LLM that goes out of scope) ends its compute
+        # thread too, which then lets the worker go (without waiting for the thread).
+        weakref.finalize(self, self._device.release)
 
     def collective_rpc(
         self, method: RpcMethod, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
