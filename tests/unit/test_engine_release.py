@@ -12,8 +12,8 @@ from ingot import LLM, SamplingParams
 from ingot.accuracy.ingot_runner import local_worker
 
 
-def _device_threads() -> int:
-    return sum(t.name == "ingot-device" and t.is_alive() for t in threading.enumerate())
+def _device_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "ingot-device" and t.is_alive()}
 
 
 def _build(model_dir) -> tuple[LLM, weakref.ref]:  # noqa: ANN001
@@ -24,18 +24,15 @@ def _build(model_dir) -> tuple[LLM, weakref.ref]:  # noqa: ANN001
 
 
 def test_a_dropped_llm_releases_its_worker_and_thread(tiny_llama_dir):
+    gc.collect()  # engines earlier tests dropped go first
     before = _device_threads()
     llm, worker = _build(tiny_llama_dir)
-    assert worker() is not None and _device_threads() == before + 1
+    (thread,) = _device_threads() - before  # this engine's compute thread
+    assert worker() is not None
     del llm
     gc.collect()
-    thread_gone = threading.Event()
-    for _ in range(100):  # the thread ends after its queue's last call: moments
-        if _device_threads() == before:
-            thread_gone.set()
-            break
-        thread_gone.wait(0.05)
-    assert thread_gone.is_set()
+    thread.join(timeout=10)  # it ends after its queue's last call: moments
+    assert not thread.is_alive()
     gc.collect()
     assert worker() is None
 
