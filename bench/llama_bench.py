@@ -77,5 +77,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n".join(lines), flush=True)
     return 0 if lines else 1
 
+
 if __name__ == "__main__":
     sys.exit(main())

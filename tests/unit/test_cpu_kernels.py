@@ -128,10 +128,7 @@ def test_gemv_and_onednn_round_differently(fn):
     the CPU has no oneDNN bf16) rounds differently from the GEMV, which ``torch.equal`` sees.
     On AMX, oneDNN's tiles accumulate each output in float32 as the GEMV does: measured equal
     there (0 of 6720 outputs differ), so the contrast does not exist to test."""
-    from ingot.platforms.cpu import _cpu_flags
-
-    if cpu_packed_linear_supported(torch.bfloat16, torch.device("cpu")) and (
-            "amx_bf16" in _cpu_flags()):
+    if cpu_packed_linear_supported(torch.bfloat16, torch.device("cpu")) and cpu_kernels.has_amx():
         pytest.skip("oneDNN's bf16 linear runs on AMX here and rounds as the GEMV does")
     torch.manual_seed(4)
     k, n = 576, 960

@@ -194,6 +194,12 @@ def f32_isas() -> tuple[str, ...]:
     return tuple(isa for isa in F32_ISAS if isa in runs)
 
 
+def has_amx() -> bool:
+    """Whether this CPU has AMX's bf16 tiles, on which oneDNN's bf16 linear runs: the one test
+    behind every kernel choice that differs on AMX."""
+    return _cpu_has("amx_bf16", "amx_tile")
+
+
 def gemm_preferred() -> bool:
     """Whether bf16 linears of more rows than the GEMV serves run on ingot's GEMM rather than
     oneDNN's: on CPUs without AMX (where oneDNN's bf16 GEMM rides vdpbf16ps at about half the
@@ -203,7 +209,7 @@ def gemm_preferred() -> bool:
         raise ValueError(f"INGOT_CPU_GEMM must be auto, 0 or 1, got {choice!r}")
     if choice != "auto":
         return choice == "1"
-    return " amx_bf16" not in _cpu_flags()
+    return not has_amx()
 
 
 #: Rows from which a quantized linear runs dense where ``quant_dense_preferred``: every prefill
@@ -226,7 +232,7 @@ def quant_dense_preferred() -> bool:
         raise ValueError(f"INGOT_CPU_QUANT_DENSE must be auto, on or off, got {choice!r}")
     if choice != "auto":
         return choice == "on"
-    return (_cpu_has("amx_bf16", "amx_tile") and torch.backends.mkldnn.is_available()
+    return (has_amx() and torch.backends.mkldnn.is_available()
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 

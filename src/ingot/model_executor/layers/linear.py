@@ -171,14 +171,13 @@ class LinearBase(KernelBindable, nn.Module):
         in the model's dtype; from ``quant_dense_rows`` rows (AMX: every prefill step, see
         ``cpu_kernels.QUANT_DENSE_MIN_ROWS``) its weight dequantized for the call, on oneDNN."""
         if self.quant_weight is not None:
-            rows = kernel_rows or x.numel() // self.input_size
-            if self.quant_dense_rows and rows >= self.quant_dense_rows:
+            if self.quant_dense_rows and (
+                    kernel_rows or x.numel() // self.input_size) >= self.quant_dense_rows:
                 # A prefill step's rows on AMX: the dequantized weight (this call's only) on
                 # oneDNN's bf16 linear beats the integer dots several times over.
                 weight = quant_dequantize(self.quant_kernels, self.quant_weight, self.quant_type,
                                           self.output_size, x.dtype)
-                bias = self.bias_f32.to(x.dtype) if self.bias_f32 is not None else None
-                return F.linear(x, weight, bias)
+                return F.linear(x, weight, self.bias)
             return quant_matmul(self.quant_kernels, x, self.quant_weight, self.quant_type,
                                 self.output_size, self.bias_f32)
         if self.cpu_kernels is not None and self.gemv_weight is not None:
