@@ -71,6 +71,48 @@ def test_fast_path_equals_the_module_path_bit_for_bit(engine, batch):
     assert got == want
 
 
+def _count_native(fast):
+    calls = {"n": 0}
+    native = fast._native_layers
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        return native(*args, **kwargs)
+
+    fast._native_layers = counted
+    return calls, native
+
+
+@pytest.mark.parametrize("batch", [1, 2, 4])
+def test_the_c_layer_loop_equals_the_python_loop(engine, batch):
+    """The program's layer loop in C (CpuKernels.decode_layers) makes the Python loop's kernel
+    calls in its order: identical tokens and logprobs. It runs wherever every linear is
+    ingot's kernel at the step's rows (the GEMV; above it, ingot's GEMM where that is chosen);
+    oneDNN's rows keep the Python loop, which calls the modules."""
+    llm, runner = engine
+    fast = runner.program.decode_program
+    prompts = [list(range(5 + i, 44 + 2 * i)) for i in range(batch)]
+    calls, native = _count_native(fast)
+    try:
+        got = _run_batch(llm, prompts)
+        fast.native = False
+        want = _run_batch(llm, prompts)
+    finally:
+        fast.native = True
+        fast._native_layers = native
+    assert calls["n"] == (23 if batch < 3 or fast.gemm else 0)
+    assert got == want
+    if calls["n"]:
+        # Broken: the C loop reads its own layer table (layer 0's post-attention RMSNorm eps
+        # changed there alone changes its output, not the Python loop's).
+        saved = fast.c_layers[0].post_eps
+        fast.c_layers[0].post_eps = 1.0
+        try:
+            assert _run_batch(llm, prompts) != want
+        finally:
+            fast.c_layers[0].post_eps = saved
+
+
 def test_hooks_take_the_module_path(engine):
     llm, runner = engine
     model = runner.model

@@ -178,6 +178,13 @@ def test_decode_program_equals_the_module_path_and_reads_its_weights(bf16_engine
     finally:
         runner.program = program
     assert fast == modules
+    # Every linear is quantized: the program's C layer loop serves every batch, and equals its
+    # Python loop.
+    program.decode_program.native = False
+    try:
+        assert _tokens(bf16_engine, PROMPTS) == fast
+    finally:
+        program.decode_program.native = True
     # Broken: a zeroed layer-0 gate_up changes what the program computes.
     weight = runner.model.model.layers[0].mlp.gate_up_proj.quant_weight
     saved = weight.clone()

@@ -26,6 +26,8 @@ from ingot.model_executor.layers.attention import AttentionMetadata
 from ingot.model_executor.layers.cpu_kernels import (
     QUANT_TYPES,
     CpuKernels,
+    DecodeLayer,
+    DecodeStep,
     QuantKernels,
     attention_scratch,
 )
@@ -91,6 +93,23 @@ class CpuDecodeProgram:
         self.cos_sin = first.self_attn.rotary.cos_sin_cache
         self.norm = decoder.norm
         self._buffers: dict[int, tuple[torch.Tensor, ...]] = {}
+        # The same loop in C (CpuKernels.decode_layers) wherever every linear is ingot's kernel:
+        # the layers' arguments resolved once here, the caches' addresses when they change.
+        self.native = True  # tests turn it off to compare the two loops
+        self.all_quant = all(q is not None for quants in self.quant_weights for q in quants)
+        self.c_layers = (DecodeLayer * len(self.layers))()
+        for c, layer, gemm_w, quants in zip(self.c_layers, self.layers, self.gemm_weights,
+                                            self.quant_weights, strict=True):
+            (in_w, in_eps, qkv_w, qkv_b, o_w, o_b, post_w, post_eps, gu_w, gu_b, down_w, down_b,
+             window, scale) = layer
+            c.in_w, c.post_w, c.in_eps, c.post_eps = in_w, post_w, in_eps, post_eps
+            c.window, c.scale = window, scale
+            for j, (w, b) in enumerate(((qkv_w, qkv_b), (o_w, o_b), (gu_w, gu_b),
+                                        (down_w, down_b))):
+                c.gemv_w[j], c.gemm_w[j], c.bias[j] = w, gemm_w[j], b
+                if quants[j] is not None:
+                    c.qtype[j], c.quant_w[j] = quants[j]
+        self._cache_ptrs: tuple[int, ...] = ()
 
     def _activations(self, rows: int) -> tuple[torch.Tensor, ...]:
         """x, h, residual, qkv, attn, gate_up, act for ``rows`` sequences, reused by every layer
@@ -172,6 +191,7 @@ class CpuDecodeProgram:
         tail_args = (0 if write_first else slots.data_ptr(), table.data_ptr(),
                      seq_lens.data_ptr(), attnp, rows, heads, kv_heads, head_dim, block_size,
                      width)
+        q_rot = k_rot = None
         if write_first:
             q_rot = torch.empty(rows, heads * head_dim, dtype=torch.bfloat16)
             k_rot = torch.empty(rows, kv_heads * head_dim, dtype=torch.bfloat16)
@@ -199,8 +219,13 @@ class CpuDecodeProgram:
                 raise MemoryError("GEMM kernel: no memory for its row buffers")
             return out
 
-        residual_in = embedded.data_ptr()  # layer 0: residual = the embedding, no add
         aux_layers = self.model.model.aux_hidden_state_layers
+        if self.native and not aux_layers and (matmul is not None or self.all_quant):
+            self._native_layers(kv_caches, value_offset, embedded, rows, use_gemv, x, h, res,
+                                qkv, attn, gate_up, act, q_rot, k_rot, positions, slots, table,
+                                block_size, width, seq_lens, scratch, per_thread, threads)
+            return self.norm(h, res)[0]  # a fresh tensor: the buffers are reused next step
+        residual_in = embedded.data_ptr()  # layer 0: residual = the embedding, no add
         aux = []
         for i, (cache, layer, linears) in enumerate(zip(kv_caches, self.layers, self.linears,
                                                         strict=True)):
@@ -242,3 +267,26 @@ class CpuDecodeProgram:
         if aux:
             self.model.model.aux_hidden_states = torch.cat(aux, dim=-1)
         return out
+
+    def _native_layers(self, kv_caches: list[torch.Tensor], value_offset: int,
+                       embedded: torch.Tensor, rows: int, use_gemv: bool,
+                       *tensors_and_sizes: Any) -> None:
+        """The layer loop of forward() in one call into the kernels' library (same calls, same
+        order, same buffers)."""
+        (x, h, res, qkv, attn, gate_up, act, q_rot, k_rot, positions, slots, table, block_size,
+         width, seq_lens, scratch, per_thread, threads) = tensors_and_sizes
+        ptrs = tuple(cache.data_ptr() for cache in kv_caches)
+        if ptrs != self._cache_ptrs:
+            for c, kc in zip(self.c_layers, ptrs, strict=True):
+                c.kc, c.vc = kc, kc + value_offset
+            self._cache_ptrs = ptrs
+        step = DecodeStep(
+            rows, self.hidden, self.inter, self.qkv_size, self.num_heads, self.num_kv_heads,
+            self.head_dim, block_size, width, embedded.data_ptr(), self.cos_sin.data_ptr(),
+            x.data_ptr(), h.data_ptr(), res.data_ptr(), qkv.data_ptr(), attn.data_ptr(),
+            gate_up.data_ptr(), act.data_ptr(), _ptr(q_rot), _ptr(k_rot), positions.data_ptr(),
+            slots.data_ptr(), table.data_ptr(), seq_lens.data_ptr(), scratch.data_ptr(),
+            per_thread, self.qk.linear_address if self.qk is not None else None,
+            int(use_gemv), threads)
+        if self.k.decode_layers(self.c_layers, len(self.c_layers), step):
+            raise MemoryError("decode program: a kernel could not get its work buffers")

@@ -104,6 +104,33 @@ _loaded: dict[str, object] = {}  # library name -> its bound entry points, or No
 unavailable: dict[str, str] = {}
 
 
+_P = ctypes.c_void_p
+
+
+class DecodeLayer(ctypes.Structure):
+    """One decoder layer for ``CpuKernels.decode_layers`` (cpu_kernels.c's
+    ``ingot_decode_layer_t``): linears in the order qkv, o, gate_up, down."""
+
+    _fields_ = [("in_w", _P), ("post_w", _P), ("gemv_w", _P * 4), ("gemm_w", _P * 4),
+                ("quant_w", _P * 4), ("bias", _P * 4), ("qtype", ctypes.c_int32 * 4),
+                ("in_eps", ctypes.c_float), ("post_eps", ctypes.c_float),
+                ("scale", ctypes.c_float), ("window", ctypes.c_int64), ("kc", _P), ("vc", _P)]
+
+
+class DecodeStep(ctypes.Structure):
+    """One step's sizes, buffers and attention metadata for ``CpuKernels.decode_layers``
+    (cpu_kernels.c's ``ingot_decode_step_t``; ``q_rot`` non-NULL: write every key first)."""
+
+    _fields_ = [*((name, ctypes.c_int64) for name in (
+                    "rows", "hidden", "inter", "qkv_size", "heads", "kv_heads", "head_dim",
+                    "block_size", "width")),
+                *((name, _P) for name in (
+                    "embedded", "cos_sin", "x", "h", "res", "qkv", "attn", "gate_up", "act",
+                    "q_rot", "k_rot", "positions", "slots", "table", "seq_lens", "scratch")),
+                ("per_thread", ctypes.c_int64), ("quant_linear", _P), ("use_gemv", ctypes.c_int32),
+                ("threads", ctypes.c_int32)]
+
+
 class CpuKernels:
     """The loaded library's entry points, with their ctypes signatures, built for one ISA of
     :data:`ISAS`."""
@@ -134,6 +161,9 @@ class CpuKernels:
         for fn in self.fused_moe.values():
             fn.restype = i32  # -1: its work buffers could not be allocated
         self.moe_pack = _bind(lib.ingot_moe_pack_bf16, [p] * 2 + [i64] * 3)
+        self.decode_layers = _bind(lib.ingot_decode_layers_bf16,
+                                   [ctypes.POINTER(DecodeLayer), i64, ctypes.POINTER(DecodeStep)],
+                                   i32)
 
 
 class F32Kernels:
@@ -754,6 +784,8 @@ class QuantKernels:
                             i32)
         self.linear = _bind(lib.ingot_quant_linear, [i32, p, i32, p, p, p, i32] + [i64] * 3 + [i32],
                             i32)
+        #: ingot_quant_linear's address, for the bf16 library's decode loop to call
+        self.linear_address = ctypes.cast(lib.ingot_quant_linear, ctypes.c_void_p).value
         self.dequantize = _bind(lib.ingot_quant_dequantize, [i32, p, p, i32, i64, i64, i32], i32)
 
 
