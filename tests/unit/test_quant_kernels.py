@@ -291,18 +291,19 @@ def test_matmul_rejects_a_mismatched_width(qk):
 
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lookup_from_packed_rows_equals_the_gguf_dequantization(qtype, dtype):
-    from ingot.model_executor.layers.quantized import dequantize_packed_rows
-
+def test_lookup_from_packed_rows_equals_the_gguf_dequantization(qk, qtype, dtype):
     n, k = 21, 96  # a padded last group
     raw = _weights(qtype, n, k, seed=9)
     packed = cpu_kernels.pack_quant_weight(raw, qtype, n, k)
     ids = torch.tensor([[0, 20, 7], [8, 8, 13]])
     want = torch.from_numpy(dequantize(raw, _ggml(qtype))).to(dtype)[ids]
-    got = dequantize_packed_rows(packed, qtype, ids, dtype)
+    got = cpu_kernels.quant_dequantize_rows(qk, packed, qtype, ids, dtype)
     assert got.shape == (2, 3, k) and torch.equal(got, want)
     # Broken twin: the neighbouring row of the same group is another row's values.
-    assert not torch.equal(dequantize_packed_rows(packed, qtype, ids + 1, dtype)[0, 0], want[0, 0])
+    assert not torch.equal(
+        cpu_kernels.quant_dequantize_rows(qk, packed, qtype, ids + 1, dtype)[0, 0], want[0, 0])
+    with pytest.raises(IndexError, match=r"row ids must be in \[0, 24\)"):
+        cpu_kernels.quant_dequantize_rows(qk, packed, qtype, torch.tensor([24]), dtype)
 
 
 @pytest.mark.parametrize("qtype", QTYPES)

@@ -200,8 +200,15 @@ def _cpu_flags() -> str:
         return ""
 
 
+@functools.lru_cache(maxsize=4)
+def _words(text: str) -> frozenset[str]:
+    return frozenset(text.split())
+
+
 def _cpu_has(*flags: str) -> bool:
-    words = set(_cpu_flags().split())  # whole words: "fma" is not "fma4"
+    # Whole words ("fma" is not "fma4"), split once per text: the greedy sampler asks for the
+    # kernels every step (splitting /proc/cpuinfo each time had cost ~4% of a decode step).
+    words = _words(_cpu_flags())
     return all(flag in words for flag in flags)
 
 
@@ -787,6 +794,8 @@ class QuantKernels:
         #: ingot_quant_linear's address, for the bf16 library's decode loop to call
         self.linear_address = ctypes.cast(lib.ingot_quant_linear, ctypes.c_void_p).value
         self.dequantize = _bind(lib.ingot_quant_dequantize, [i32, p, p, i32, i64, i64, i32], i32)
+        self.dequantize_rows = _bind(lib.ingot_quant_dequantize_rows,
+                                     [i32, p, i64, p, i64, p, i32, i64, i32], i32)
 
 
 def quant_isas() -> tuple[str, ...]:
@@ -900,7 +909,7 @@ def quant_dequantize(kernels: QuantKernels, packed: torch.Tensor, qtype: str, ou
                      ) -> torch.Tensor:
     """The dense [out_features, K] weight of one from :func:`pack_quant_weight`, in ``dtype``
     (bf16 or float32): each value the ``gguf`` package's dequantization rounded once, as
-    :func:`~ingot.model_executor.layers.quantized.dequantize_packed_rows` gives a row."""
+    :func:`quant_dequantize_rows` gives a row."""
     if dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"a dequantized weight is float32 or bf16, got {dtype}")
     k = packed.shape[1] * 32
@@ -911,3 +920,26 @@ def quant_dequantize(kernels: QuantKernels, packed: torch.Tensor, qtype: str, ou
     if status:
         raise ValueError(f"the quantized kernels do not take {qtype}")
     return y
+
+
+def quant_dequantize_rows(kernels: QuantKernels, packed: torch.Tensor, qtype: str,
+                          ids: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+                          threads: int | None = None) -> torch.Tensor:
+    """Rows ``ids`` [...] of a weight from :func:`pack_quant_weight` -> [..., K] in ``dtype``
+    (bf16 or float32), as :func:`quant_dequantize` gives them: the embedding lookup of a
+    quantized table, which reads only the looked-up rows' blocks (the dequantized table is never
+    built). Raises IndexError for an id outside the packed rows."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"dequantized rows are float32 or bf16, got {dtype}")
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    rows, k = packed.shape[0] * QUANT_GROUP_ROWS, packed.shape[1] * 32
+    y = torch.empty(flat.numel(), k, dtype=dtype)
+    status = kernels.dequantize_rows(QUANT_TYPES[qtype][0], packed.data_ptr(), rows,
+                                     flat.data_ptr(), flat.numel(), y.data_ptr(),
+                                     int(dtype == torch.bfloat16), k,
+                                     threads or torch.get_num_threads())
+    if status == -3:
+        raise IndexError(f"row ids must be in [0, {rows}), got {flat.tolist()[:8]}...")
+    if status:
+        raise ValueError(f"the quantized kernels do not take {qtype}")
+    return y.view(*ids.shape, k)

@@ -220,11 +220,49 @@ int ingot_quant_linear(int qtype, const void *x, int x_bf16, const uint8_t *w, c
     return status;
 }
 
+/* Lane r of the (group, block) at gb -> v[32] float32: the gguf package's dequantization (Q8_0
+   d q, Q4_0 d (q - 8), Q4_1 d q + m), each value one rounding from the file's f16 and integers. */
+INL void dequantize_lane(int qtype, const uint8_t *gb, int64_t r, float *v) {
+    uint16_t h;
+    memcpy(&h, gb + 2 * r, 2);
+    const float d = from_fp16(h);
+    float m = 0.0f;
+    if (qtype == QT_Q4_1) {
+        memcpy(&h, gb + 16 + 2 * r, 2);
+        m = from_fp16(h);
+    }
+    if (qtype == QT_Q8_0) {
+        for (int c = 0; c < 8; c++)
+            for (int j = 0; j < 4; j++) v[4 * c + j] = d * (float)(int8_t)gb[16 + 32 * c + 4 * r + j];
+        return;
+    }
+    const uint8_t *qs = gb + (qtype == QT_Q4_1 ? 32 : 16);
+    for (int c = 0; c < 4; c++)
+        for (int j = 0; j < 4; j++) {
+            const uint8_t byte = qs[32 * c + 4 * r + j];
+            const int lo = byte & 15, hi = byte >> 4;
+            if (qtype == QT_Q4_0) {
+                v[8 * c + j] = d * (float)(lo - 8);
+                v[8 * c + 4 + j] = d * (float)(hi - 8);
+            } else {
+                v[8 * c + j] = d * (float)lo + m;
+                v[8 * c + 4 + j] = d * (float)hi + m;
+            }
+        }
+}
+
+INL void store_row_part(void *y, int y_bf16, int64_t at, const float *v) {
+    if (y_bf16)
+        for (int i = 0; i < 32; i++) ((uint16_t *)y)[at + i] = to_bf16(v[i]);
+    else
+        memcpy((float *)y + at, v, 32 * sizeof(float));
+}
+
 /* W repacked (above) -> dense y [N, K] (float32, or bf16 where y_bf16), each value the gguf
-   package's dequantization in float32 (Q8_0 d q, Q4_0 d (q - 8), Q4_1 d q + m) rounded once:
-   the weight a step of many rows multiplies by a dense GEMM (oneDNN's AMX bf16 is several
-   times this library's integer dots at hundreds of rows), made per call instead of kept.
-   Threads take groups of 8 rows. Returns -1 for a type this library does not take, else 0. */
+   package's dequantization in float32 rounded once (dequantize_lane): the weight a step of many
+   rows multiplies by a dense GEMM (oneDNN's AMX bf16 is several times this library's integer
+   dots at hundreds of rows), made per call instead of kept. Threads take groups of 8 rows.
+   Returns -1 for a type this library does not take, else 0. */
 int ingot_quant_dequantize(int qtype, const uint8_t *w, void *y, int y_bf16, int64_t N,
                            int64_t K, int nthreads) {
     const int64_t GB = ingot_quant_group_bytes(qtype), nb = K / 32;
@@ -236,39 +274,32 @@ int ingot_quant_dequantize(int qtype, const uint8_t *w, void *y, int y_bf16, int
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *gb = w + (gi * nb + b) * GB;
             for (int64_t r = 0; r < rows; r++) {
-                uint16_t h;
-                memcpy(&h, gb + 2 * r, 2);
-                const float d = from_fp16(h);
-                float m = 0.0f, v[32];
-                if (qtype == QT_Q4_1) {
-                    memcpy(&h, gb + 16 + 2 * r, 2);
-                    m = from_fp16(h);
-                }
-                if (qtype == QT_Q8_0) {
-                    for (int c = 0; c < 8; c++)
-                        for (int j = 0; j < 4; j++)
-                            v[4 * c + j] = d * (float)(int8_t)gb[16 + 32 * c + 4 * r + j];
-                } else {
-                    const uint8_t *qs = gb + (qtype == QT_Q4_1 ? 32 : 16);
-                    for (int c = 0; c < 4; c++)
-                        for (int j = 0; j < 4; j++) {
-                            const uint8_t byte = qs[32 * c + 4 * r + j];
-                            const int lo = byte & 15, hi = byte >> 4;
-                            if (qtype == QT_Q4_0) {
-                                v[8 * c + j] = d * (float)(lo - 8);
-                                v[8 * c + 4 + j] = d * (float)(hi - 8);
-                            } else {
-                                v[8 * c + j] = d * (float)lo + m;
-                                v[8 * c + 4 + j] = d * (float)hi + m;
-                            }
-                        }
-                }
-                const int64_t at = (gi * QROWS + r) * K + 32 * b;
-                if (y_bf16)
-                    for (int i = 0; i < 32; i++) ((uint16_t *)y)[at + i] = to_bf16(v[i]);
-                else
-                    memcpy((float *)y + at, v, sizeof v);
+                float v[32];
+                dequantize_lane(qtype, gb, r, v);
+                store_row_part(y, y_bf16, (gi * QROWS + r) * K + 32 * b, v);
             }
+        }
+    }
+    return 0;
+}
+
+/* Rows ids[0..T) of W (N rows) dequantized as ingot_quant_dequantize's -> y [T, K]: the lookup
+   of a quantized embedding table, which reads only those rows' blocks (15 torch ops had taken
+   ~150 us per decode step on the default model). Returns -1 for a type this library does not
+   take, -3 (nothing written) where an id is outside [0, N), else 0. */
+int ingot_quant_dequantize_rows(int qtype, const uint8_t *w, int64_t N, const int64_t *ids,
+                                int64_t T, void *y, int y_bf16, int64_t K, int nthreads) {
+    const int64_t GB = ingot_quant_group_bytes(qtype), nb = K / 32;
+    if (GB == 0) return -1;
+    for (int64_t t = 0; t < T; t++)
+        if (ids[t] < 0 || ids[t] >= N) return -3;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T * K >= 65536)
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t g = ids[t] / QROWS, r = ids[t] % QROWS;
+        for (int64_t b = 0; b < nb; b++) {
+            float v[32];
+            dequantize_lane(qtype, w + (g * nb + b) * GB, r, v);
+            store_row_part(y, y_bf16, t * K + 32 * b, v);
         }
     }
     return 0;

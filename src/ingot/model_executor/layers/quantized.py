@@ -1,6 +1,6 @@
 """GGUF weights kept quantized (issue #33): what the loader hands a layer instead of a float
-tensor, how a layer's parameter holds it until binding, and the embedding lookup from the packed
-blocks.
+tensor and how a layer's parameter holds it until binding (the embedding looks rows up from the
+packed blocks with the quantized kernels' ``quant_dequantize_rows``).
 
 The loader (loader/gguf_loader.py) decides once per tensor which weights stay as the file's
 blocks (Q4_0 / Q4_1 / Q8_0 linears and the token embedding / LM head) and yields a
@@ -20,8 +20,6 @@ import torch
 from torch import nn
 
 from ingot.model_executor.layers.cpu_kernels import (
-    QUANT_GROUP_ROWS,
-    QUANT_TYPES,
     pack_quant_weight,
 )
 
@@ -90,38 +88,3 @@ def packed_weight(parts: _Parts) -> tuple[torch.Tensor, str]:
         parts.qtype = qtype
         parts.shards.clear()
     return parts.packed, parts.qtype
-
-
-def dequantize_packed_rows(packed: torch.Tensor, qtype: str, ids: torch.Tensor,
-                           dtype: torch.dtype) -> torch.Tensor:
-    """Rows ``ids`` of a weight packed by ``pack_quant_weight``, dequantized to ``dtype``: the
-    embedding lookup of a quantized table, which reads only the looked-up rows' blocks (the
-    dequantized table is never built). ids [...] -> [..., K]; the values are the ``gguf``
-    package's dequantization (d * q, Q4_0 d * (q - 8), Q4_1 d * q + m) rounded once to
-    ``dtype``."""
-    flat = ids.reshape(-1).to(torch.int64)
-    lane = flat % QUANT_GROUP_ROWS
-    groups = packed[flat // QUANT_GROUP_ROWS]  # [T, nb, group bytes]
-    t, nb, _ = groups.shape
-    arange = torch.arange(t)
-
-    def f16_lanes(start: int) -> torch.Tensor:  # [T, nb] float32: each row's f16 in the group
-        halves = groups[..., start:start + 2 * QUANT_GROUP_ROWS].reshape(t, nb, QUANT_GROUP_ROWS, 2)
-        return halves[arange, :, lane].contiguous().view(torch.float16)[..., 0].float()
-
-    d = f16_lanes(0)
-    if qtype == "Q8_0":  # weight 4c + j of row r at chunk c, lane r, byte j
-        qs = groups[..., 16:].reshape(t, nb, 8, QUANT_GROUP_ROWS, 4)[arange, :, :, lane]
-        values = qs.reshape(t, nb, 32).view(torch.int8).float() * d[..., None]
-    elif qtype in ("Q4_0", "Q4_1"):
-        first = 32 if qtype == "Q4_1" else 16
-        # weight 8c + 4h + j of row r at chunk c, lane r, byte j, low nibble (h 0) or high
-        nibbles = groups[..., first:].reshape(t, nb, 4, QUANT_GROUP_ROWS, 4)[arange, :, :, lane]
-        q = torch.stack([nibbles & 15, nibbles >> 4], dim=-2).reshape(t, nb, 32).float()
-        if qtype == "Q4_0":
-            values = (q - 8) * d[..., None]
-        else:
-            values = q * d[..., None] + f16_lanes(16)[..., None]
-    else:
-        raise ValueError(f"no quantized lookup for {qtype}; one of {list(QUANT_TYPES)}")
-    return values.reshape(*ids.shape, nb * 32).to(dtype)

@@ -17,12 +17,9 @@ from ingot.distributed.group import GroupCoordinator
 from ingot.distributed.parallel_state import get_tp_group
 from ingot.distributed.sequence_parallel import reduce_partial
 from ingot.model_executor.layers.bindable import KernelBindable, Kernels
+from ingot.model_executor.layers.cpu_kernels import QuantKernels, quant_dequantize_rows
 from ingot.model_executor.layers.linear import LinearBase, default_weight_loader
-from ingot.model_executor.layers.quantized import (
-    dequantize_packed_rows,
-    packed_weight,
-    quantized_parts,
-)
+from ingot.model_executor.layers.quantized import packed_weight, quantized_parts
 
 
 def vocab_shard_range(vocab_size: int, tp: int, rank: int) -> tuple[int, int, int]:
@@ -58,20 +55,27 @@ class VocabParallelEmbedding(KernelBindable, nn.Embedding):
                                      else self._load_weight)
         self.quant_weight: torch.Tensor | None = None
         self.quant_type: str | None = None
+        self.quant_kernels: QuantKernels | None = None
 
     def bind_kernels(self, kernels: Kernels) -> bool:
         parts = quantized_parts(self.weight)
         if parts is not None:
+            if kernels.quant is None:
+                raise RuntimeError(
+                    "this model's embedding was kept quantized but ingot's quantized CPU "
+                    "kernels are not available here (see the log); load it with "
+                    "--quantization none")
+            self.quant_kernels = kernels.quant
             self.quant_weight, self.quant_type = packed_weight(parts)
-        return False  # torch ops either way
+        return False  # torch ops for a plain table
 
     def _load_weight(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         _load_vocab_shard(param, loaded, self.vocab_start, self.num_real)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.quant_weight is not None:  # one rank: quantized tables are not sharded
-            return dequantize_packed_rows(self.quant_weight, self.quant_type, input_ids,
-                                          self.weight.dtype)
+            return quant_dequantize_rows(self.quant_kernels, self.quant_weight, self.quant_type,
+                                         input_ids, self.weight.dtype)
         if self.tp_size == 1:
             return super().forward(input_ids)
         local = input_ids - self.vocab_start
