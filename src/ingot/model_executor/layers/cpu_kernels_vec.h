@@ -97,6 +97,9 @@ INL vf vload_bf16_part(const uint16_t *p, int64_t left) {
     const __m256i v = _mm256_maskz_loadu_epi16(vtail(left), p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
+/* VL bytes widened to float32 (exact): unsigned, signed */
+INL vf vload_u8(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+INL vf vload_s8(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
 INL vf vround_bf16(vf v) { /* nearest even, as to_bf16; NaN stays (quiet) NaN */
     __m512i u = _mm512_castps_si512(v);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
@@ -260,6 +263,8 @@ INL vf vload_bf16_part(const uint16_t *p, int64_t left) {
     memcpy(t, p, (size_t)(left > 0 ? left : 0) * 2);
     return vwiden8(_mm_loadu_si128((const __m128i *)t));
 }
+INL vf vload_u8(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
+INL vf vload_s8(const int8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
 INL vf vround_bf16(vf v) {
     __m256i u = _mm256_castps_si256(v);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
@@ -374,6 +379,8 @@ INL vf vload_bf16_part(const uint16_t *p, int64_t left) {
     vf r; VLANES(r[i_] = i_ < left ? from_bf16(p[i_]) : 0.0f); return r;
 }
 INL vf vload_bf16(const uint16_t *p) { return vload_bf16_part(p, VL); }
+INL vf vload_u8(const uint8_t *p) { vf r; VLANES(r[i_] = (float)p[i_]); return r; }
+INL vf vload_s8(const int8_t *p) { vf r; VLANES(r[i_] = (float)p[i_]); return r; }
 INL vf vround_bf16(vf v) { vf r; VLANES(r[i_] = round_bf16(v[i_])); return r; }
 INL void vstore_bf16_part(uint16_t *p, vf v, int64_t left) { VLANES(if (i_ < left) p[i_] = to_bf16(v[i_])); }
 typedef uint16_t vb __attribute__((vector_size(32))); /* VL pairs */
