@@ -159,6 +159,28 @@ def test_batched_equals_alone_bit_for_bit(bf16_engine):
     assert batched == alone
 
 
+def test_a_batch_of_17_equals_its_requests_alone_bit_for_bit():
+    """17 rows: on a CPU with AMX int8 the batch's quantized linears run on AMX tiles
+    (QUANT_AMX_MIN_ROWS), each request alone on the integer dots; the integer sums are exact
+    either way and scaled in one order, so the tokens and logprobs are the same bits."""
+    from ingot.model_executor.layers.cpu_kernels import QUANT_AMX_MIN_ROWS
+
+    prompts = [f"{p} ({i})" for i in range(5) for p in PROMPTS][:17]
+    assert len(prompts) > QUANT_AMX_MIN_ROWS
+    llm = LLM(max_model_len=512, max_num_seqs=32, async_scheduling=False)
+    kernels = _quantized_linears(llm)[0].quant_kernels
+    calls = []
+    linear = kernels.linear
+    kernels.linear = lambda *a: calls.append(a[7]) or linear(*a)  # a[7]: the rows
+    try:
+        batched = _tokens(llm, prompts)
+    finally:
+        kernels.linear = linear
+    assert max(calls) >= QUANT_AMX_MIN_ROWS
+    alone = [_tokens(llm, [p])[0] for p in prompts]
+    assert batched == alone
+
+
 def test_prefix_caching_on_and_off_give_the_same_tokens(bf16_engine):
     prefix = "You are a helpful assistant. Answer briefly and precisely. " * 4
     prompts = [prefix + p for p in PROMPTS]

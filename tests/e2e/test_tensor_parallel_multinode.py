@@ -50,8 +50,9 @@ def _outputs(llm: LLM) -> tuple[list, list]:
              for o in out])
 
 
-@pytest.fixture(scope="module")
-def runs(moe_dir, tmp_path_factory):
+def _two_nodes(moe_dir, tmp_path_factory, node1_env=None):
+    """(tokens and logprobs, per-rank startup stats, node 1's exit code, node 1's log) of the
+    engine on two "nodes"; ``node1_env``: node 1's environment (a fault for a twin)."""
     port = free_port()
     # The secret both nodes share (--rpc-secret-file; the other form, INGOT_RPC_SECRET, is
     # test_data_parallel_hardening.py's).
@@ -62,19 +63,14 @@ def runs(moe_dir, tmp_path_factory):
              "--master-port", str(port), "--enable-expert-parallel", "--rpc-secret-file",
              str(secret)]
     log_path = tmp_path_factory.mktemp("node1") / "node1.log"
-    # Node 1 first: its rank waits in the rendezvous while the TP 1 reference runs.
+    # Node 1 first: its rank waits in the rendezvous while node 0 starts.
     with open(log_path, "w") as log:
         node1 = subprocess.Popen(
             [sys.executable, "-m", "ingot.cli.main", "serve", str(moe_dir),
              "--dtype", "float32", "--max-model-len", "128", "--block-size", "4",
              "--max-num-seqs", "4", *nodes, "--node-rank", "1", "--headless"],
-            stdout=log, stderr=subprocess.STDOUT)
+            stdout=log, stderr=subprocess.STDOUT, env=node1_env)
     try:
-        llm = LLM(str(moe_dir), skip_tokenizer_init=True, **COMMON)
-        try:
-            ref = _outputs(llm)
-        finally:
-            llm.llm_engine.shutdown()
         llm = LLM(str(moe_dir), skip_tokenizer_init=True, tensor_parallel_size=2, nnodes=2,
                   node_rank=0, master_addr="127.0.0.1", master_port=port,
                   enable_expert_parallel=True, rpc_secret_file=str(secret), **COMMON)
@@ -88,7 +84,17 @@ def runs(moe_dir, tmp_path_factory):
         if node1.poll() is None:
             node1.kill()
             node1.wait()
-    return ref, got, stats, node1_exit, log_path.read_text()
+    return got, stats, node1_exit, log_path.read_text()
+
+
+@pytest.fixture(scope="module")
+def runs(moe_dir, tmp_path_factory):
+    llm = LLM(str(moe_dir), skip_tokenizer_init=True, **COMMON)
+    try:
+        ref = _outputs(llm)
+    finally:
+        llm.llm_engine.shutdown()
+    return (ref, *_two_nodes(moe_dir, tmp_path_factory))
 
 
 def _assert_same(got: tuple[list, list], ref: tuple[list, list]) -> None:
@@ -101,6 +107,18 @@ def _assert_same(got: tuple[list, list], ref: tuple[list, list]) -> None:
 
 def test_two_nodes_give_tp1_greedy_tokens_and_logprobs(runs):
     _assert_same(runs[1], runs[0])
+
+
+def test_two_nodes_twin_a_perturbed_shard_on_node1_fails(moe_dir, runs, tmp_path_factory):
+    """Broken twin: node 1's rank loads its shard of one attention weight 5% off (node 0's is
+    right); the equality with TP=1 must fail."""
+    from faults import child_env, fails
+
+    env = child_env("weight", name="layers.0.self_attn.o_proj", scale=0.05, rank=1)
+    got, _, node1_exit, log = _two_nodes(moe_dir, tmp_path_factory, node1_env=env)
+    assert node1_exit == 0, log
+    with fails():
+        _assert_same(got, runs[0])
 
 
 def test_each_node_runs_its_rank_over_gloo(runs):
@@ -151,3 +169,27 @@ def test_ray_executor_tp2_equals_tp1_and_a_dead_actor_fails_requests(moe_dir, ru
             llm.llm_engine.shutdown()
     finally:
         ray.shutdown()
+
+
+def test_ray_executor_twin_a_perturbed_shard_in_one_actor_fails(moe_dir, runs):
+    """Broken twin: the Ray actor of rank 1 loads its shard of one attention weight 5% off
+    (Ray starts its workers with the fault in their environment); the equality with TP=1 must
+    fail."""
+    from faults import child_env, fails
+
+    env = child_env("weight", name="layers.0.self_attn.o_proj", scale=0.05, rank=1)
+    ray.init(num_cpus=2, object_store_memory=80 * 2**20, include_dashboard=False,
+             log_to_driver=False,
+             runtime_env={"env_vars": {k: v for k, v in env.items()
+                                       if k in ("PYTHONPATH", "INGOT_TEST_FAULT")}})
+    try:
+        llm = LLM(str(moe_dir), skip_tokenizer_init=True, tensor_parallel_size=2,
+                  distributed_executor_backend="ray", **COMMON)
+        try:
+            got = _outputs(llm)
+        finally:
+            llm.llm_engine.shutdown()
+    finally:
+        ray.shutdown()
+    with fails():
+        _assert_same(got, runs[0])

@@ -158,7 +158,10 @@ def test_activation_quantization_equals_its_restatement(qk, dtype, m, k):
 # (rows of x, weight rows, K): 8-row groups with tails, 4-row activation tiles with tails,
 # one block and many
 _SHAPES = [(1, 8, 32), (1, 37, 96), (2, 13, 576), (3, 1, 64), (4, 960, 576), (5, 17, 1536),
-           (9, 24, 160), (1, 7, 32)]
+           (9, 24, 160), (1, 7, 32),
+           # from QUANT_AMX_MIN_ROWS rows a build with AMX multiplies on its tiles: 16-row tiles
+           # with tails, 32-row items with tails (odd group counts)
+           (16, 8, 32), (17, 37, 96), (33, 13, 576), (40, 960, 576)]
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -190,7 +193,8 @@ def test_bias_and_bf16_in_and_out(qk, qtype):
 def test_batched_rows_equal_rows_alone_bit_for_bit(qk, qtype, threads):
     n, k = 45, 192
     raw = _weights(qtype, n, k, seed=7)
-    x = np.random.default_rng(7).standard_normal((11, k)).astype(np.float32)
+    # 21 rows: batched on AMX tiles where the build has them, alone on the integer dots
+    x = np.random.default_rng(7).standard_normal((21, k)).astype(np.float32)
     packed = cpu_kernels.pack_quant_weight(raw, qtype, n, k)
     batched = _run(qk, raw, qtype, n, k, x, packed=packed, threads=threads)
     for i in range(x.shape[0]):
@@ -227,10 +231,11 @@ def _f16_bytes(value: float) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
-def test_twin_with_a_blocks_scale_ignored_fails(qk, qtype):
+@pytest.mark.parametrize("rows", [2, 20])  # 20: the AMX tiles where the build has them
+def test_twin_with_a_blocks_scale_ignored_fails(qk, qtype, rows):
     n, k = 16, 96
     raw = _weights(qtype, n, k, seed=3)
-    x = np.random.default_rng(3).standard_normal((2, k)).astype(np.float32)
+    x = np.random.default_rng(3).standard_normal((rows, k)).astype(np.float32)
     packed = cpu_kernels.pack_quant_weight(raw, qtype, n, k)
     assert _matches(_run(qk, raw, qtype, n, k, x, packed=packed), raw, qtype, n, k, x)
     packed[1, 2, 2 * 5:2 * 5 + 2] = _f16_bytes(1.0)  # row 13, block 2: scale read as 1
@@ -248,10 +253,11 @@ def test_twin_with_a_blocks_min_ignored_fails(qk):
 
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("swap", [(0, 1), (3, 11)])  # within a group, across groups
-def test_twin_with_rows_repacked_out_of_order_fails(qk, qtype, swap):
+@pytest.mark.parametrize("rows", [2, 20])
+def test_twin_with_rows_repacked_out_of_order_fails(qk, qtype, swap, rows):
     n, k = 16, 64
     raw = _weights(qtype, n, k, seed=5)
-    x = np.random.default_rng(5).standard_normal((2, k)).astype(np.float32)
+    x = np.random.default_rng(5).standard_normal((rows, k)).astype(np.float32)
     order = list(range(n))
     order[swap[0]], order[swap[1]] = order[swap[1]], order[swap[0]]
     packed = cpu_kernels.pack_quant_weight(raw[order], qtype, n, k)
@@ -355,3 +361,38 @@ def test_twin_dequantize_with_a_blocks_scale_ignored_fails(qk, qtype):
     packed[1, 2, 2 * 5:2 * 5 + 2] = _f16_bytes(1.0)  # row 13, block 2: scale read as 1
     want = torch.from_numpy(dequantize(raw, _ggml(qtype)).reshape(n, k).astype(np.float32))
     assert not torch.equal(cpu_kernels.quant_dequantize(qk, packed, qtype, n, torch.float32), want)
+
+
+# ---- AMX tiles (the avx512 build, where the CPU has amx_int8) ---------------------------------
+
+def test_amx_tiles_serve_many_rows_with_the_integer_dots_bits():
+    """From QUANT_AMX_MIN_ROWS rows the avx512 build multiplies on AMX tiles: exact per-block
+    integer sums scaled in the integer dots' float32 order, so every row's bits are the same
+    on either path (and a batch's rows equal the rows alone). Off (INGOT_CPU_QUANT_AMX=off, or
+    ``amx_setup(0)``), every row count runs the integer dots."""
+    if not cpu_kernels._cpu_has("amx_tile", "amx_int8"):
+        pytest.skip("this CPU has no AMX int8 tiles (amx_tile, amx_int8)")
+    qk = kernel_builds.load("quant", "avx512")
+    assert qk.amx, "the avx512 build on a CPU with AMX should have its tiles"
+    try:
+        for qtype in QTYPES:
+            for m, n, k in [(16, 40, 96), (37, 100, 576)]:
+                raw = _weights(qtype, n, k, seed=m)
+                x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
+                qk.amx_setup(cpu_kernels.QUANT_AMX_MIN_ROWS)
+                tiles = _run(qk, raw, qtype, n, k, x)
+                qk.amx_setup(0)
+                dots = _run(qk, raw, qtype, n, k, x)
+                assert np.array_equal(tiles, dots) and _matches(tiles, raw, qtype, n, k, x)
+    finally:
+        qk.amx_setup(cpu_kernels.quant_amx_rows())
+
+
+def test_amx_switch_takes_auto_and_off(monkeypatch):
+    monkeypatch.setenv("INGOT_CPU_QUANT_AMX", "off")
+    assert cpu_kernels.quant_amx_rows() == 0
+    monkeypatch.setenv("INGOT_CPU_QUANT_AMX", "auto")
+    assert cpu_kernels.quant_amx_rows() == cpu_kernels.QUANT_AMX_MIN_ROWS
+    monkeypatch.setenv("INGOT_CPU_QUANT_AMX", "yes")
+    with pytest.raises(ValueError, match="INGOT_CPU_QUANT_AMX must be auto or off"):
+        cpu_kernels.quant_amx_rows()

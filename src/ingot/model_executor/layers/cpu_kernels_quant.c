@@ -202,20 +202,211 @@ int ingot_quant_matmul(int qtype, const int8_t *xq, const float *xd, const float
     return 0;
 }
 
+/* ---- AMX (Xeons with amx_int8; built where the CPU has it) --------------------------------
+   A step of many rows multiplies each 32-weight block on AMX tiles: per block, a 16 x 16 tile of
+   int32 dot products (16 activation rows x 16 weight rows, TDPBSUD: signed activations x the
+   unsigned nibbles; TDPBSSD for Q8_0) is stored and scaled in the same float32 order as qtile's
+   lanes (p = dw dx; acc = acc + p isum; Q4_1 acc = acc + mw sx). The integer sums are exact
+   either way, so a row's bits are the integer dots' whatever the batch (tested). The B tile of
+   a block is the repacked bytes as they lie: chunk c of two groups gives two tile rows (K
+   quads 2c and 2c + 1: the low and the high nibbles). */
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_tilecfg;
+
+static int amx_min_rows = 0; /* 0: off (ingot_quant_amx_setup) */
+
+/* Asks Linux once for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA) and, where
+   granted, serves steps of at least min_rows rows on AMX (0: never). Returns 1 where AMX is on. */
+int ingot_quant_amx_setup(int min_rows) {
+    static int granted = -1;
+    if (granted < 0) granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    amx_min_rows = granted ? min_rows : 0;
+    return amx_min_rows > 0;
+}
+
+/* One item: 32 weight rows (4 groups, two 16-row n-tiles h) against every activation row.
+   Its blocks' B tiles and scales are laid out once (bt, dw, mw: per block and n-tile); then per
+   16-row m-tile and n-tile, 16 accumulators stay in registers across the blocks. */
+INL void amx_item(int qtype, const int8_t *xq, const float *xd, const float *xs,
+                  const int32_t *xsum, const uint8_t *w, const float *bias, void *y, int y_bf16,
+                  int64_t M, int64_t N, int64_t K, int64_t it, uint8_t *bt, float *dw, float *mw) {
+    const int64_t GB = ingot_quant_group_bytes(qtype), nb = K / 32;
+    const int64_t groups = (N + QROWS - 1) / QROWS, mtiles = (M + 15) / 16;
+    for (int64_t b = 0; b < nb; b++)
+        for (int h = 0; h < 2; h++) {
+            uint8_t *t = bt + (b * 2 + h) * 512;
+            for (int q = 0; q < 2; q++) {
+                const int64_t g = 4 * it + 2 * h + q;
+                const uint8_t *gb = g < groups ? w + (g * nb + b) * GB : NULL;
+                float *d = dw + (b * 2 + h) * 16 + 8 * q, *m = mw + (b * 2 + h) * 16 + 8 * q;
+                _mm256_storeu_ps(d, gb ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)gb))
+                                       : _mm256_setzero_ps());
+                _mm256_storeu_ps(m, gb && qtype == QT_Q4_1
+                                        ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gb + 16)))
+                                        : _mm256_setzero_ps());
+                if (qtype == QT_Q8_0) {
+                    for (int c = 0; c < 8; c++) {
+                        const __m256i p = gb ? _mm256_loadu_si256((const __m256i *)(gb + 16 + 32 * c))
+                                             : _mm256_setzero_si256();
+                        _mm256_store_si256((__m256i *)(t + 64 * c + 32 * q), p);
+                    }
+                } else {
+                    const uint8_t *qs = gb ? gb + (qtype == QT_Q4_1 ? 32 : 16) : NULL;
+                    for (int c = 0; c < 4; c++) {
+                        const __m256i p = qs ? _mm256_loadu_si256((const __m256i *)(qs + 32 * c))
+                                             : _mm256_setzero_si256();
+                        const __m256i lo = _mm256_and_si256(p, _mm256_set1_epi8(15));
+                        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), _mm256_set1_epi8(15));
+                        _mm256_store_si256((__m256i *)(t + 64 * (2 * c) + 32 * q), lo);
+                        _mm256_store_si256((__m256i *)(t + 64 * (2 * c + 1) + 32 * q), hi);
+                    }
+                }
+            }
+        }
+    int32_t isum[4][16][16] __attribute__((aligned(64)));
+    for (int64_t mt = 0; mt < mtiles; mt++) {
+        /* per-row scalars of the padding rows: the last real row's (their sums are 0, their
+           outputs not written) */
+        int64_t row[16];
+        for (int i = 0; i < 16; i++) row[i] = mt * 16 + i < M ? mt * 16 + i : M - 1;
+        const int8_t *xt = xq + mt * 16 * K;
+        for (int h = 0; h < 2; h++) {
+            __m512 acc[16];
+            for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+            /* 4 blocks' tiles in flight (C tiles 0-3, A/B pairs 4/5 and 6/7), then their sums
+               scaled block by block in order: a tile's store is not waited on per block */
+            for (int64_t b0 = 0; b0 < nb; b0 += 4) {
+                const int64_t nj = nb - b0 < 4 ? nb - b0 : 4;
+#define AMX_TDP(C, A, B, blk)                                                                    \
+    do {                                                                                         \
+        _tile_zero(C);                                                                           \
+        _tile_loadd(A, xt + 32 * (blk), K);                                                      \
+        _tile_loadd(B, bt + ((blk) * 2 + h) * 512, 64);                                          \
+        if (qtype == QT_Q8_0) _tile_dpbssd(C, A, B);                                             \
+        else _tile_dpbsud(C, A, B);                                                              \
+    } while (0)
+                AMX_TDP(0, 4, 5, b0);
+                if (nj > 1) AMX_TDP(1, 6, 7, b0 + 1);
+                if (nj > 2) AMX_TDP(2, 4, 5, b0 + 2);
+                if (nj > 3) AMX_TDP(3, 6, 7, b0 + 3);
+#undef AMX_TDP
+                _tile_stored(0, isum[0], 64);
+                if (nj > 1) _tile_stored(1, isum[1], 64);
+                if (nj > 2) _tile_stored(2, isum[2], 64);
+                if (nj > 3) _tile_stored(3, isum[3], 64);
+                for (int64_t j = 0; j < nj; j++) {
+                    const int64_t b = b0 + j;
+                    const __m512 d = _mm512_loadu_ps(dw + (b * 2 + h) * 16);
+                    const __m512 mn = _mm512_loadu_ps(mw + (b * 2 + h) * 16);
+#pragma GCC unroll 16
+                    for (int i = 0; i < 16; i++) {
+                        const int64_t xb = row[i] * nb + b;
+                        __m512i si = _mm512_load_si512(isum[j][i]);
+                        if (qtype == QT_Q4_0) si = _mm512_sub_epi32(si, _mm512_set1_epi32(8 * xsum[xb]));
+                        const __m512 p = _mm512_mul_ps(d, _mm512_set1_ps(xd[xb]));
+                        acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(p, _mm512_cvtepi32_ps(si)));
+                        if (qtype == QT_Q4_1)
+                            acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(mn, _mm512_set1_ps(xs[xb])));
+                    }
+                }
+            }
+            const int64_t n0 = it * 32 + 16 * h;
+            for (int i = 0; i < 16 && mt * 16 + i < M; i++) {
+                const int64_t m = mt * 16 + i;
+                if (n0 + 16 <= N) { /* a whole tile's row: + bias, rounded as to_bf16, 16 at once */
+                    __m512 v = acc[i];
+                    if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0));
+                    if (y_bf16) vstore_bf16_part((uint16_t *)y + m * N + n0, vround_bf16(v), 16);
+                    else _mm512_storeu_ps((float *)y + m * N + n0, v);
+                    continue;
+                }
+                float out[16];
+                _mm512_storeu_ps(out, acc[i]);
+                for (int64_t j = 0; j < 16 && n0 + j < N; j++) {
+                    float v = out[j];
+                    if (bias) v = v + bias[n0 + j];
+                    if (y_bf16) ((uint16_t *)y)[m * N + n0 + j] = to_bf16(v);
+                    else ((float *)y)[m * N + n0 + j] = v;
+                }
+            }
+        }
+    }
+}
+
+#define AMX_ITEM_CASE(QT) amx_item(QT, xq, xd, xs, xsum, w, bias, y, y_bf16, M, N, K, it, bt, dw, mw)
+
+/* xq has M rounded up to 16 rows (the padding rows zero). Threads take items of 32 weight rows
+   (dynamic: a thread another process preempts leaves its share to the others). */
+static int amx_matmul(int qtype, const int8_t *xq, const float *xd, const float *xs,
+                      const int32_t *xsum, const uint8_t *w, const float *bias, void *y,
+                      int y_bf16, int64_t M, int64_t N, int64_t K, int nthreads) {
+    const int64_t nb = K / 32, groups = (N + QROWS - 1) / QROWS, items = (groups + 3) / 4;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+        amx_tilecfg cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 4; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64; /* C: 16 x 16 int32 */
+        for (int t = 4; t < 8; t += 2) {
+            cfg.rows[t] = 16, cfg.colsb[t] = 32;        /* A: 16 activation rows x one block */
+            cfg.rows[t + 1] = 8, cfg.colsb[t + 1] = 64; /* B: 8 quads of K x 16 weight rows */
+        }
+        _tile_loadconfig(&cfg);
+        uint8_t *bt = aligned_alloc(64, (size_t)nb * 1024 + (size_t)nb * 256);
+        float *dw = bt ? (float *)(bt + nb * 1024) : NULL, *mw = dw ? dw + nb * 32 : NULL;
+        if (!bt) failed = 1;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            if (!bt) continue;
+            if (qtype == QT_Q4_0) AMX_ITEM_CASE(QT_Q4_0);
+            else if (qtype == QT_Q4_1) AMX_ITEM_CASE(QT_Q4_1);
+            else AMX_ITEM_CASE(QT_Q8_0);
+        }
+        free(bt);
+        _tile_release();
+    }
+    return failed ? -2 : 0;
+}
+#else
+int ingot_quant_amx_setup(int min_rows) { (void)min_rows; return 0; }
+#endif
+
 /* Both steps in one call (one ctypes call per linear): x [M, K] (float32, or bf16 where
-   x_bf16) quantized into buffers of its own, then ingot_quant_matmul. Returns -2 where the
-   buffers could not be allocated, -1 for a type this library does not take, else 0. */
+   x_bf16) quantized into buffers of its own, then ingot_quant_matmul (or, from the rows
+   ingot_quant_amx_setup set, the AMX tiles). Returns -2 where the buffers could not be
+   allocated, -1 for a type this library does not take, else 0. */
 int ingot_quant_linear(int qtype, const void *x, int x_bf16, const uint8_t *w, const float *bias,
                        void *y, int y_bf16, int64_t M, int64_t N, int64_t K, int nthreads) {
     if (ingot_quant_group_bytes(qtype) == 0) return -1;
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+    const int amx = amx_min_rows > 0 && M >= amx_min_rows;
+#else
+    const int amx = 0;
+#endif
+    const int64_t Mp = amx ? (M + 15) / 16 * 16 : M; /* tiles read whole 16-row tiles */
     const int64_t nblk = M * (K / 32);
-    int8_t *xq = malloc((size_t)(M * K) + (size_t)nblk * 12);
+    int8_t *xq = malloc((size_t)(Mp * K) + (size_t)nblk * 12);
     if (!xq) return -2;
-    float *xd = (float *)(xq + M * K), *xs = xd + nblk; /* M K is a multiple of 32: aligned */
+    float *xd = (float *)(xq + Mp * K), *xs = xd + nblk; /* Mp K is a multiple of 32: aligned */
     int32_t *xsum = (int32_t *)(xs + nblk);
     ingot_quantize_q8_1(x, x_bf16, M, K, xq, xd, xs, xsum, nthreads);
-    const int status = ingot_quant_matmul(qtype, xq, xd, xs, xsum, w, bias, y, y_bf16, M, N, K,
-                                          nthreads);
+    int status;
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+    if (amx) {
+        memset(xq + M * K, 0, (size_t)((Mp - M) * K));
+        status = amx_matmul(qtype, xq, xd, xs, xsum, w, bias, y, y_bf16, M, N, K, nthreads);
+    } else
+#endif
+        status = ingot_quant_matmul(qtype, xq, xd, xs, xsum, w, bias, y, y_bf16, M, N, K,
+                                    nthreads);
     free(xq);
     return status;
 }
