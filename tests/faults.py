@@ -232,6 +232,18 @@ def classifier_softmax_wrong_dim(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(Pooler, "_activate", wrong)
 
 
+@_fault
+def cpu_without_bf16(mp: pytest.MonkeyPatch) -> None:
+    """Not a fault but the same plumbing: the platform sees this CPU's flags less every bf16
+    one (an AMD EPYC's AVX2 + FMA), so its dtype rules decide as they do on a CPU without bf16
+    arithmetic; what the kernels' builds run is untouched (tests cap that with
+    ``INGOT_CPU_ISA``)."""
+    from ingot.platforms import cpu
+
+    flags = cpu._cpu_flags() - cpu._BF16_FLAGS
+    mp.setattr(cpu, "_cpu_flags", lambda: flags)
+
+
 @contextmanager
 def injected(fault: str, **params: Any) -> Iterator[None]:
     """The fault named ``fault`` in this process for the duration of the block."""

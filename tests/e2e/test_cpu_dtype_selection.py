@@ -83,8 +83,12 @@ def test_a_bf16_checkpoint_stays_bf16_on_the_kernels_where_they_serve(bf16_check
 
 
 def _run_cli(path, *flags: str) -> subprocess.CompletedProcess:  # noqa: ANN001
-    # A fresh process: INGOT_CPU_KERNELS=0 works from the first load (the loader caches).
-    env = {**os.environ, "INGOT_CPU_KERNELS": "0"}
+    # A fresh process: INGOT_CPU_KERNELS=0 works from the first load (the loader caches). On a
+    # CPU with bf16 arithmetic, the child's platform sees the flags of one without it.
+    from faults import child_env
+
+    env = child_env("cpu_without_bf16") if CpuPlatform.supports_bf16() else dict(os.environ)
+    env["INGOT_CPU_KERNELS"] = "0"
     return subprocess.run(
         [sys.executable, "-m", "ingot.cli.main", "--log-level", "info", "generate", "hi",
          "--model", str(path), "--max-tokens", "2", "--max-model-len", "64", *flags],
@@ -97,9 +101,8 @@ def test_without_the_kernels_auto_widens_and_an_explicit_bf16_warns(bf16_checkpo
     """The broken twin of the above, with the kernels off (INGOT_CPU_KERNELS=0): on a CPU
     without bf16 arithmetic the bf16 checkpoint computes float32, not its emulated bf16; and
     ``--dtype bfloat16`` there runs as asked with a warning that names the cost and the
-    alternative."""
-    if CpuPlatform.supports_bf16():
-        pytest.skip("this CPU computes bf16 natively: bf16 is fast without ingot's kernels")
+    alternative. (On a CPU with bf16 arithmetic the child sees one without: tests/faults.py's
+    ``cpu_without_bf16``.)"""
     auto = _run_cli(bf16_checkpoint)
     assert auto.returncode == 0, auto.stderr
     assert "dtype auto -> float32: this CPU has no bf16 arithmetic" in auto.stderr
@@ -145,9 +148,13 @@ def test_avx2_selection(avx2, tmp_path, caplog, monkeypatch):
 
 def test_portable_build_alone_computes_float32_on_torch(tmp_path, monkeypatch):
     """The broken twin of test_avx2_selection: capped to the portable build (no vector build),
-    a CPU without native bf16 computes float32 on torch ops."""
+    a CPU without native bf16 computes float32 on torch ops (a CPU with it is seen without,
+    tests/faults.py's ``cpu_without_bf16``)."""
+    from faults import FAULTS
+
     if CpuPlatform.supports_bf16():
-        pytest.skip("this CPU computes bf16 natively: bf16 is fast without ingot's kernels")
+        FAULTS["cpu_without_bf16"](monkeypatch)
+    assert not CpuPlatform.supports_bf16()
     make_tiny_model("llama", tmp_path / "m", **SHAPE)
     make_byte_tokenizer(tmp_path / "m")
     monkeypatch.setenv("INGOT_CPU_ISA", "portable")

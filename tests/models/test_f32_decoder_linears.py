@@ -5,7 +5,11 @@ test_bert_fp32_linears_through_either_gemm."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,12 +116,29 @@ def test_packed_f32_rows_are_the_same_whatever_the_batch(threads):
     row equals its verification row and its batched self. Shapes: the default model's qkv,
     down and LM head. Broken twin: MKL's sgemm (the plain weight) rounds differently at this
     width, so the comparison sees a kernel switch (mixing the two by row count would break
-    the equality)."""
-    if not cpu_kernels.onednn_f32_preferred():
-        # (Forced on a Xeon with AMX, oneDNN's AVX-512 float32 kernels gave a row other bits
-        # at other row counts: the property is the AVX2 kernels', and so is the choice.)
-        pytest.skip("oneDNN's float32 linear is not chosen here (a CPU made by Intel, or "
-                    "INGOT_CPU_F32_GEMM=mkl)")
+    the equality).
+
+    The property is the AVX2 kernels', which is where the engine chooses oneDNN (forced on a
+    Xeon with AMX, oneDNN's AVX-512 float32 kernels gave a row other bits at other row counts).
+    Where this CPU would run wider ones, a child process caps oneDNN at AVX2
+    (``ONEDNN_MAX_CPU_ISA=AVX2``) and checks what an AVX2 CPU runs."""
+    if cpu_kernels.onednn_f32_preferred() or os.environ.get("ONEDNN_MAX_CPU_ISA") == "AVX2":
+        _packed_f32_rows_are_the_same(threads)
+        return
+    code = ("import sys; sys.path[:0] = sys.argv[1:]; "
+            "from test_f32_decoder_linears import _packed_f32_rows_are_the_same as check; "
+            f"check({threads}); print('rows equal')")
+    here = Path(__file__).parent
+    child = subprocess.run(
+        [sys.executable, "-c", code, str(here), str(here.parent)], capture_output=True,
+        text=True, timeout=600, env={**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2",
+                                     "ONEDNN_VERBOSE": "1"})
+    assert child.returncode == 0 and "rows equal" in child.stdout, child.stdout + child.stderr
+    # the child's linears really ran oneDNN's AVX2 float32 kernels
+    assert "brg_matmul:avx2" in child.stdout or "gemm:jit:avx2" in child.stdout, child.stdout[-2000:]
+
+
+def _packed_f32_rows_are_the_same(threads: int) -> None:
     torch.manual_seed(0)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
