@@ -207,6 +207,8 @@ def summarize_setting(runs: Sequence[Run]) -> dict[str, Any]:
                 values.setdefault(w, []).append(r[TARGETS[w][0]])
             if w == "single":
                 values.setdefault("single_output", []).append(r["output_tok_s"])
+                if "decode_tok_s" in r:  # ingot bench: after the first token, as tg128 times
+                    values.setdefault("single_decode", []).append(r["decode_tok_s"])
             elif w == "llama_tg":
                 values.setdefault("llama_tg", []).append(r["output_tok_s"])
             elif w == "llama_pp":
@@ -410,6 +412,11 @@ def render_section(
         if tg and mine_single:
             lines.append(f"- single-stream: ingot {_fmt(mine_single)} tok/s = "
                          f"{mine_single / tg:.2f}x llama.cpp's tg128")
+        mine_decode = ingot.get("single_decode")
+        if tg and mine_decode:  # tg128 times generation alone, no prompt
+            lines.append(f"- single-stream decode alone (from the first token on, as tg128 "
+                         f"times it; the workload's 128-token prompt is not counted): ingot "
+                         f"{_fmt(mine_decode)} tok/s = {mine_decode / tg:.2f}x llama.cpp's tg128")
         if pp and mine_prefill:
             lines.append(f"- 1024-token prefill: ingot {_fmt(mine_prefill, 3)} s = "
                          f"{pp / mine_prefill:.2f}x llama.cpp's pp1024 speed")

@@ -48,7 +48,7 @@ def _figures() -> dict:
         _run("vllm:2", "offline", "RESULT workload=startup engine=vllm time_s=30.0",
              _line("vllm", "offline", 64, 32.0, 256.0, 512.0)),
         _run("ingot", "single", "INFO noise", "RESULT workload=startup engine=ingot time_s=2.0",
-             _line("ingot", "single", 1, 5.0, 25.6, 51.2)),
+             _line("ingot", "single", 1, 5.0, 25.6, 51.2) + " decode_tok_s=30.1"),
         _run("vllm:default", "single", "RESULT workload=startup engine=vllm time_s=20.0",
              _line("vllm", "single", 1, 8.0, 16.0, 32.0)),
         _run("vllm:2", "single", "RESULT workload=startup engine=vllm time_s=22.0",
@@ -471,4 +471,6 @@ def test_llama_cpp_and_peer_dtypes_in_the_plan_and_report():
                      r"\| >= 2\.5x \| no \|", text)
     assert "tg128 51.2 tok/s, pp1024 102.4 tok/s (10.000 s)" in text and "m-q4_1.gguf" in text
     assert "ingot 25.6 tok/s = 0.50x llama.cpp's tg128" in text
+    assert "decode alone (from the first token on, as tg128 times it; the workload's " \
+           "128-token prompt is not counted): ingot 30.1 tok/s = 0.59x llama.cpp's tg128" in text
     assert "ingot 0.600 s = 16.67x llama.cpp's pp1024 speed" in text

@@ -32,6 +32,22 @@ def test_result_line_format():
     )
 
 
+def test_decode_rate_counts_the_tokens_after_the_first():
+    from types import SimpleNamespace
+
+    from ingot.benchmarks.workloads import decode_rate
+    from ingot.engine.outputs import RequestMetrics
+
+    def result(first, last, n):
+        metrics = RequestMetrics(arrival_time=0.0, first_token_time=first, finished_time=last)
+        return SimpleNamespace(metrics=metrics, outputs=[SimpleNamespace(token_ids=[0] * n)])
+
+    assert decode_rate([result(1.0, 3.0, 129)]) == " decode_tok_s=64.0"
+    assert decode_rate([result(1.0, 3.0, 129)] * 2) == ""  # several streams: no one rate
+    assert decode_rate([result(None, 3.0, 129)]) == ""
+    assert decode_rate([result(1.0, 3.0, 1)]) == ""
+
+
 def test_contention_runs_competitors_and_stops_them_on_error():
     from ingot.benchmarks.contend import contention
 

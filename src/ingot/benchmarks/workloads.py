@@ -55,6 +55,19 @@ def result_line(name: str, n: int, inp: int, out: int, seconds: float, generated
     )
 
 
+def decode_rate(results: list[Any]) -> str:
+    """`` decode_tok_s=X`` for one stream: its tokens after the first over the time from the
+    first to the last (llama.cpp's tg128 times generation alone, without the prompt); "" for
+    several requests or without the request's timestamps."""
+    if len(results) != 1 or results[0].metrics is None:
+        return ""
+    metrics, generated = results[0].metrics, len(results[0].outputs[0].token_ids)
+    first, last = metrics.first_token_time, metrics.finished_time
+    if first is None or last is None or generated < 2 or last <= first:
+        return ""
+    return f" decode_tok_s={(generated - 1) / (last - first):.1f}"
+
+
 def ran_with(llm: Any) -> str:
     """``dtype=bfloat16 kernels=avx2``: the model's dtype and the builds of ingot's CPU
     libraries its layers run (``kernels=none``: torch ops only; ``bf16:avx2,f32:avx2`` where
@@ -117,6 +130,6 @@ def run_workloads(
             seconds = time.perf_counter() - t
             generated = sum(len(r.outputs[0].token_ids) for r in results)
             lines.append(result_line(name, n, inp, out, seconds, generated)
-                         + (f" contend={contend}" if contend else ""))
+                         + decode_rate(results) + (f" contend={contend}" if contend else ""))
             print(lines[-1], flush=True)
     return lines

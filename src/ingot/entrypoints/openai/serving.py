@@ -773,9 +773,10 @@ class _ClientStalled(Exception):
 
 class IdleLimitedStreamingResponse(StreamingResponse):
     """A streamed response that drops a client who stopped reading. The ASGI server's send
-    waits while the connection's buffers are full, so a send that has waited
-    ``idle_timeout`` seconds means the client has read nothing for about that long: the
-    response ends there, its body is closed (which aborts the engine requests and frees
+    waits while the connection's buffers are full (until its write buffer drains to the
+    low-water mark, tens of KB), so a send that has waited ``idle_timeout`` seconds means the
+    client has read next to nothing for about that long (a client taking a few KB a second
+    counts as stalled at a limit of seconds; the default is 60 s): the response ends there, its body is closed (which aborts the engine requests and frees
     their KV blocks) and the server closes the connection. Until then the client costs its
     buffers and the one pending output per request (engine deltas merge while it lags)."""
 
