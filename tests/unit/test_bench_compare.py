@@ -474,3 +474,13 @@ def test_llama_cpp_and_peer_dtypes_in_the_plan_and_report():
     assert "decode alone (from the first token on, as tg128 times it; the workload's " \
            "128-token prompt is not counted): ingot 30.1 tok/s = 0.59x llama.cpp's tg128" in text
     assert "ingot 0.600 s = 16.67x llama.cpp's pp1024 speed" in text
+
+
+def test_llama_kld_reads_llama_perplexitys_summary():
+    kld = _load("llama_kld")
+    text = ("====== KL divergence statistics ======\n"
+            "Mean    KLD:   0.002701 ±   0.000100\nMaximum KLD:   0.412000\n"
+            "====== Token probability statistics ======\n"
+            "Same top p: 97.492 ± 0.312 %\n")
+    assert kld.parse_summary(text) == {"same_top1": 0.97492, "mean_kld": 0.002701}
+    assert kld.parse_summary("no summary") == {}
