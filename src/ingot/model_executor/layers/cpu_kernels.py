@@ -788,7 +788,7 @@ QUANT_TYPES: dict[str, tuple[int, int, int]] = {
 class QuantKernels:
     """The quantized library's entry points, built for one ISA of :data:`QUANT_ISAS`."""
 
-    def __init__(self, lib: ctypes.CDLL, isa: str) -> None:
+    def __init__(self, lib: ctypes.CDLL, isa: str, amx_rows: int = 0) -> None:
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self.isa = isa
         lanes = _bind(lib.ingot_quant_lanes, [], i32)()
@@ -813,8 +813,8 @@ class QuantKernels:
         #: (min rows) -> whether steps of that many rows and more run on AMX tiles from now on
         #: (0: never; only a build with AMX, where Linux grants the tiles, says yes)
         self.amx_setup = _bind(lib.ingot_quant_amx_setup, [i32], i32)
-        #: whether this build multiplies steps of ``quant_amx_rows()`` rows on AMX tiles
-        self.amx = bool(self.amx_setup(quant_amx_rows()))
+        #: whether this build multiplies steps of ``amx_rows`` rows and more on AMX tiles
+        self.amx = bool(self.amx_setup(amx_rows))
         self.dequantize_rows = _bind(lib.ingot_quant_dequantize_rows,
                                      [i32, p, i64, p, i64, p, i32, i64, i32], i32)
 
@@ -838,7 +838,9 @@ def load_quant_kernels(isa: str | None = None) -> QuantKernels | None:
         flags.append(vnni[1])
     if isa == "avx512" and _cpu_has("amx_tile", "amx_int8"):
         flags += ["-mamx-tile", "-mamx-int8"]  # the AMX tiles' path for many rows
-    return _load(f"quant-{isa}", _QUANT_SOURCE_PATH, flags, lambda lib: QuantKernels(lib, isa))
+    amx_rows = quant_amx_rows()  # (a bad INGOT_CPU_QUANT_AMX raises here, before any caching)
+    return _load(f"quant-{isa}", _QUANT_SOURCE_PATH, flags,
+                 lambda lib: QuantKernels(lib, isa, amx_rows))
 
 
 def pack_quant_weight(raw, qtype: str, n: int, k: int) -> torch.Tensor:  # noqa: ANN001
