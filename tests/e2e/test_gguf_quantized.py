@@ -150,6 +150,8 @@ def test_default_engine_serves_quantized_weights_with_its_decode_program(bf16_en
     assert worker.config.model_config.quantization == "gguf"
     assert _quantized_linears(bf16_engine)
     assert worker.model_runner.program.decode_program is not None
+    kernels = _quantized_linears(bf16_engine)[0].quant_kernels
+    assert worker.kernel_builds["quant"] == kernels.isa + ("+amx" if kernels.amx else "")
 
 
 def test_batched_equals_alone_bit_for_bit(bf16_engine):

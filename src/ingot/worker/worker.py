@@ -313,7 +313,10 @@ class Worker:
         bound = bind(model, backend, kernels)
         # The libraries the layers asked for (each loads on a layer's first ask, into
         # Kernels' cached properties): read them, never load one here.
-        builds = {name: lib.isa for name in ("bf16", "f32", "quant")
+        # (the quantized library's avx512 build says "+amx" where its many-row steps run on
+        # AMX tiles)
+        builds = {name: lib.isa + ("+amx" if getattr(lib, "amx", False) else "")
+                  for name in ("bf16", "f32", "quant")
                   if bound.kernel_layers and (lib := vars(kernels).get(name)) is not None}
         logger.info("bound %s: %.1f MB resident (derived kernel layouts included), %d layers "
                     "on ingot's CPU kernels%s", type(model).__name__,
