@@ -98,11 +98,14 @@ def test_peers_without_the_secret_reach_nothing_over_tcp(nodes, baseline, tmp):
         routed = _routed(server)
         with HealthWatch(server) as watch:
             for sock in (plain, wrong):
-                sock.send(exploit, zmq.NOBLOCK)
-                sock.send(stranger.seal("failed", "forged: replica 1 is gone"),
-                                    zmq.NOBLOCK)
-                sock.send(stranger.seal("rpc", RemoteError(["SystemExit"], "die")),
-                                    zmq.NOBLOCK)
+                for frame in (exploit, stranger.seal("failed", "forged: replica 1 is gone"),
+                              stranger.seal("rpc", RemoteError(["SystemExit"], "die"))):
+                    try:
+                        sock.send(frame, zmq.NOBLOCK)
+                    except zmq.Again:
+                        # The server already refused this peer's handshake and zmq dropped
+                        # its pipe (a race with the sends): the frame reaches nothing either.
+                        pass
             for _ in range(4):  # both replicas serve: every call reached replica 1 whole
                 assert greedy_answer(server) == baseline
         watch.assert_healthy()
