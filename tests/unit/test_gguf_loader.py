@@ -526,14 +526,16 @@ def test_kept_quantized_takes_kernel_types_and_whole_fused_groups(
 
 def test_kept_weights_are_the_files_blocks_unpermuted(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every linear Q4_1 / Q8_0 (q and k permuted on disk, as llama.cpp writes them): each kept
-    weight's blocks dequantize to the float path's tensor, so rows are in the HF order."""
+    """Every linear a kernel type (q and k permuted on disk, as llama.cpp writes them; layer 0
+    4- and 8-bit, layer 1 5-bit): each kept weight's blocks dequantize to the float path's
+    tensor, so rows are in the HF order."""
     from ingot.model_executor.layers.quantized import QuantizedWeight
 
-    qtypes = {f"blk.{i}.{part}.weight": qtype for i in (0, 1)
-              for part, qtype in (("attn_q", QT.Q4_1), ("attn_k", QT.Q4_1), ("attn_v", QT.Q4_1),
-                                  ("attn_output", QT.Q4_0), ("ffn_gate", QT.Q8_0),
-                                  ("ffn_up", QT.Q8_0), ("ffn_down", QT.Q4_1))}
+    types = ({"attn_q": QT.Q4_1, "attn_k": QT.Q4_1, "attn_v": QT.Q4_1, "attn_output": QT.Q4_0,
+              "ffn_gate": QT.Q8_0, "ffn_up": QT.Q8_0, "ffn_down": QT.Q4_1},
+             {"attn_q": QT.Q5_1, "attn_k": QT.Q5_1, "attn_v": QT.Q5_1, "attn_output": QT.Q5_0,
+              "ffn_gate": QT.Q5_0, "ffn_up": QT.Q5_0, "ffn_down": QT.Q5_1})
+    qtypes = {f"blk.{i}.{part}.weight": qtype for i in (0, 1) for part, qtype in types[i].items()}
     monkeypatch.setattr(sys.modules[__name__], "DEFAULT_QTYPES",
                         {**qtypes, "token_embd.weight": QT.Q8_0})
     path = tmp_path / "quantized.gguf"

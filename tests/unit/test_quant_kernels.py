@@ -35,9 +35,30 @@ def _ggml(qtype: str):  # noqa: ANN202
     return getattr(gguf.GGMLQuantizationType, qtype)
 
 
+K_QUANTS = cpu_kernels.K_QUANTS
+MIN_TYPES = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")  # w = d q + m
+FIVE_BIT = ("Q5_0", "Q5_1", "Q5_K")
+_SUPER_BYTES = {"Q4_K": 144, "Q5_K": 176}
+
+
+def _width(qtype: str, k: int) -> int:
+    """K for a test of ``k`` weights a row: a K-quant's rows are whole 256-weight super-blocks."""
+    return -(-k // 256) * 256 if qtype in K_QUANTS else k
+
+
 def _weights(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
-    """The file's bytes of random [n, k] weights (rows of different scales, one zero block)."""
+    """The file's bytes of random [n, k] weights (rows of different scales, one zero block).
+    The gguf package quantizes the legacy types; it has no K-quant quantizer, so a K-quant's
+    super-blocks are random bytes with f16 d and dmin of a row's scale (every 6-bit scale and
+    min, every weight bit, is then a valid file's)."""
     rng = np.random.default_rng(seed)
+    if qtype in K_QUANTS:
+        size = _SUPER_BYTES[qtype]
+        sb = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
+        scale = rng.uniform(0.0005, 0.05, (n, 1, 2)) * rng.uniform(0.2, 2.0, (1, k // 256, 1))
+        scale[0, 0] = 0.0  # d = dmin = 0: a super-block that contributes nothing
+        sb[..., 0:4] = scale.astype(np.float16).view(np.uint8).reshape(n, k // 256, 4)
+        return sb.reshape(n, -1)
     w = (rng.standard_normal((n, k)) * rng.uniform(0.01, 2.0, (n, 1))).astype(np.float32)
     w[0, :32] = 0.0  # d = 0 (and Q4_1's m = 0): a block that contributes nothing
     if k > 32 and n > 1:
@@ -46,21 +67,42 @@ def _weights(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
 
 
 def _parts(raw: np.ndarray, qtype: str, n: int, k: int):  # noqa: ANN202
-    """(q [N, K] int64 as stored: Q4 0..15, Q8_0 -128..127; d [N, K/32] float32; m or None)."""
+    """(q [N, K] int64 as stored: Q4 0..15, Q5 0..31, Q8_0 -128..127; d [N, K/32] float32;
+    m or None), restated from the file's layout (the K-quants: d = d * scale, m = -dmin * min,
+    float32, per 32-weight sub-block)."""
+    if qtype in K_QUANTS:
+        sb = raw.reshape(n, k // 256, _SUPER_BYTES[qtype])
+        d = sb[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        dmin = sb[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        a, b, c = sb[..., 4:8].astype(np.int64), sb[..., 8:12].astype(np.int64), \
+            sb[..., 12:16].astype(np.int64)
+        sc = np.concatenate([a & 63, (c & 15) | ((a >> 6) << 4)], -1).astype(np.float32)
+        mn = np.concatenate([b & 63, (c >> 4) | ((b >> 6) << 4)], -1).astype(np.float32)
+        qs = sb[..., -128:].astype(np.int64).reshape(n, k // 256, 4, 32)
+        q = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, k // 256, 8, 32)
+        if qtype == "Q5_K":
+            qh = sb[..., 16:48].astype(np.int64)
+            q = q | (((qh[:, :, None, :] >> np.arange(8)[None, None, :, None]) & 1) << 4)
+        return (q.reshape(n, k), (d[..., None] * sc).reshape(n, -1),
+                -(dmin[..., None] * mn).reshape(n, -1))
     _, block_bytes, _ = cpu_kernels.QUANT_TYPES[qtype]
     blocks = raw.reshape(n, k // 32, block_bytes)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     if qtype == "Q8_0":
         return blocks[..., 2:].copy().view(np.int8).reshape(n, k).astype(np.int64), d, None
-    first = 4 if qtype == "Q4_1" else 2
+    first = 2 + 2 * (qtype in MIN_TYPES) + 4 * (qtype in FIVE_BIT)
     qs = blocks[..., first:first + 16]
-    q = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(n, k).astype(np.int64)
-    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if qtype == "Q4_1" else None
-    return q, d, m
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.int64)
+    if qtype in FIVE_BIT:
+        qh = blocks[..., first - 4:first].copy().view(np.uint32).astype(np.int64)  # [n, nb, 1]
+        q = q | (((qh >> np.arange(32)) & 1) << 4)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) \
+        if qtype in MIN_TYPES else None
+    return q.reshape(n, k), d, m
 
 
 def _signed(q: np.ndarray, qtype: str) -> np.ndarray:
-    return q - 8 if qtype == "Q4_0" else q  # Q4_0 stores q + 8
+    return q - {"Q4_0": 8, "Q5_0": 16}.get(qtype, 0)  # Q4_0 stores q + 8, Q5_0 q + 16
 
 
 def _dequantized(raw: np.ndarray, qtype: str, n: int, k: int) -> np.ndarray:
@@ -83,8 +125,8 @@ def _q8_1(x: np.ndarray):  # noqa: ANN202
 
 def _restated(raw: np.ndarray, qtype: str, n: int, k: int, x: np.ndarray,
               bias: np.ndarray | None = None) -> np.ndarray:
-    """The kernel's stated float32 order: per block b, acc = acc + (dw * dx) * isum, then (Q4_1)
-    acc = acc + mw * sx; then + bias."""
+    """The kernel's stated float32 order: per block b, acc = acc + (dw * dx) * isum, then (the
+    types with a min) acc = acc + mw * sx; then + bias."""
     q, d, m = _parts(raw, qtype, n, k)
     xq, xd, xs, _ = _q8_1(x)
     nb = k // 32
@@ -132,8 +174,9 @@ def _matches(y: np.ndarray, raw: np.ndarray, qtype: str, n: int, k: int, x: np.n
 
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_restatement_dequantizes_as_the_gguf_package(qtype):
-    raw = _weights(qtype, 13, 96)
-    assert np.array_equal(_dequantized(raw, qtype, 13, 96), dequantize(raw, _ggml(qtype)))
+    k = _width(qtype, 96)
+    raw = _weights(qtype, 13, k)
+    assert np.array_equal(_dequantized(raw, qtype, 13, k), dequantize(raw, _ggml(qtype)))
 
 
 # ---- activations -----------------------------------------------------------------------------
@@ -167,6 +210,7 @@ _SHAPES = [(1, 8, 32), (1, 37, 96), (2, 13, 576), (3, 1, 64), (4, 960, 576), (5,
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize(("m", "n", "k"), _SHAPES)
 def test_kernel_equals_its_float32_restatement(qk, qtype, m, n, k):
+    k = _width(qtype, k)
     raw = _weights(qtype, n, k, seed=n + k)
     x = (np.random.default_rng(m).standard_normal((m, k)) * 3).astype(np.float32)
     y = _run(qk, raw, qtype, n, k, x)
@@ -177,7 +221,7 @@ def test_kernel_equals_its_float32_restatement(qk, qtype, m, n, k):
 
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_bias_and_bf16_in_and_out(qk, qtype):
-    n, k = 19, 96
+    n, k = 19, _width(qtype, 96)
     raw = _weights(qtype, n, k)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     bias = np.random.default_rng(1).standard_normal(n).astype(np.float32)
@@ -191,7 +235,7 @@ def test_bias_and_bf16_in_and_out(qk, qtype):
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_batched_rows_equal_rows_alone_bit_for_bit(qk, qtype, threads):
-    n, k = 45, 192
+    n, k = 45, _width(qtype, 192)
     raw = _weights(qtype, n, k, seed=7)
     # 21 rows: batched on AMX tiles where the build has them, alone on the integer dots
     x = np.random.default_rng(7).standard_normal((21, k)).astype(np.float32)
@@ -226,36 +270,59 @@ def test_the_default_models_own_tensors(qk, default_model_tensors):
 
 # ---- broken twins: each must fail the checks -------------------------------------------------
 
-def _f16_bytes(value: float) -> torch.Tensor:
-    return torch.from_numpy(np.array([value], dtype=np.float16).view(np.uint8).copy())
+def _set_scale(packed: torch.Tensor, qtype: str, group: int, block: int, row: int,
+               value: float, mins: bool = False) -> None:
+    """Overwrite one row's scale (or min) in a packed (group, block): f16, float32 for the
+    K-quants, as cpu_kernels_quant.c lays them out."""
+    dtype = np.float32 if qtype in K_QUANTS else np.float16
+    size = np.dtype(dtype).itemsize
+    at = (8 * size if mins else 0) + size * row
+    packed[group, block, at:at + size] = torch.from_numpy(
+        np.array([value], dtype=dtype).view(np.uint8).copy())
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("rows", [2, 20])  # 20: the AMX tiles where the build has them
 def test_twin_with_a_blocks_scale_ignored_fails(qk, qtype, rows):
-    n, k = 16, 96
+    n, k = 16, _width(qtype, 96)
     raw = _weights(qtype, n, k, seed=3)
     x = np.random.default_rng(3).standard_normal((rows, k)).astype(np.float32)
     packed = cpu_kernels.pack_quant_weight(raw, qtype, n, k)
     assert _matches(_run(qk, raw, qtype, n, k, x, packed=packed), raw, qtype, n, k, x)
-    packed[1, 2, 2 * 5:2 * 5 + 2] = _f16_bytes(1.0)  # row 13, block 2: scale read as 1
+    _set_scale(packed, qtype, 1, 2, 5, 1.0)  # row 13, block 2: scale read as 1
     assert not _matches(_run(qk, raw, qtype, n, k, x, packed=packed), raw, qtype, n, k, x)
 
 
-def test_twin_with_a_blocks_min_ignored_fails(qk):
-    n, k = 16, 96
-    raw = _weights("Q4_1", n, k, seed=4)
-    x = np.random.default_rng(4).standard_normal((2, k)).astype(np.float32)
-    packed = cpu_kernels.pack_quant_weight(raw, "Q4_1", n, k)
-    packed[0, 1, 16 + 2 * 3:16 + 2 * 3 + 2] = 0  # row 3, block 1: min dropped
-    assert not _matches(_run(qk, raw, "Q4_1", n, k, x, packed=packed), raw, "Q4_1", n, k, x)
+@pytest.mark.parametrize("qtype", MIN_TYPES)
+@pytest.mark.parametrize("rows", [2, 20])
+def test_twin_with_a_blocks_min_ignored_fails(qk, qtype, rows):
+    n, k = 16, _width(qtype, 96)
+    raw = _weights(qtype, n, k, seed=4)
+    x = np.random.default_rng(4).standard_normal((rows, k)).astype(np.float32)
+    packed = cpu_kernels.pack_quant_weight(raw, qtype, n, k)
+    assert _matches(_run(qk, raw, qtype, n, k, x, packed=packed), raw, qtype, n, k, x)
+    _set_scale(packed, qtype, 0, 1, 3, 0.0, mins=True)  # row 3, block 1: min dropped
+    assert not _matches(_run(qk, raw, qtype, n, k, x, packed=packed), raw, qtype, n, k, x)
+
+
+@pytest.mark.parametrize("qtype", FIVE_BIT)
+@pytest.mark.parametrize("rows", [2, 20])
+def test_twin_with_the_fifth_bits_ignored_fails(qk, qtype, rows):
+    n, k = 16, _width(qtype, 96)
+    raw = _weights(qtype, n, k, seed=8)
+    x = np.random.default_rng(8).standard_normal((rows, k)).astype(np.float32)
+    packed = cpu_kernels.pack_quant_weight(raw, qtype, n, k)
+    assert _matches(_run(qk, raw, qtype, n, k, x, packed=packed), raw, qtype, n, k, x)
+    at = (2 if qtype in MIN_TYPES else 1) * (32 if qtype in K_QUANTS else 16)
+    packed[:, 1, at:at + 32] = 0  # block 1 of every row: weights read as 4-bit
+    assert not _matches(_run(qk, raw, qtype, n, k, x, packed=packed), raw, qtype, n, k, x)
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("swap", [(0, 1), (3, 11)])  # within a group, across groups
 @pytest.mark.parametrize("rows", [2, 20])
 def test_twin_with_rows_repacked_out_of_order_fails(qk, qtype, swap, rows):
-    n, k = 16, 64
+    n, k = 16, _width(qtype, 64)
     raw = _weights(qtype, n, k, seed=5)
     x = np.random.default_rng(5).standard_normal((rows, k)).astype(np.float32)
     order = list(range(n))
@@ -268,7 +335,7 @@ def test_twin_with_rows_repacked_out_of_order_fails(qk, qtype, swap, rows):
 
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_packed_bytes_are_the_files_rearranged(qtype):
-    n, k = 13, 64
+    n, k = 13, _width(qtype, 64)
     raw = _weights(qtype, n, k)
     packed = cpu_kernels.pack_quant_weight(raw, qtype, n, k)
     groups = -(-n // cpu_kernels.QUANT_GROUP_ROWS)
@@ -277,14 +344,19 @@ def test_packed_bytes_are_the_files_rearranged(qtype):
     if qtype == "Q8_0":
         padding = (groups * 8 - n) * raw.shape[1]
         assert sorted(packed.flatten().tolist()) == sorted(raw.flatten().tolist() + [0] * padding)
-    assert packed.numel() == groups * 8 * raw.shape[1]
+    # the legacy types' bytes, rearranged; a K-quant's f16 d, dmin and 6-bit scales and mins
+    # become float32 scale and min per 32 (Q4_K 18 -> 24 bytes per 32 weights, Q5_K 22 -> 28)
+    grown = {"Q4_K": 24 / 18, "Q5_K": 28 / 22}.get(qtype, 1)
+    assert packed.numel() == pytest.approx(groups * 8 * raw.shape[1] * grown)
 
 
 def test_pack_rejects_other_types_and_partial_blocks():
-    with pytest.raises(ValueError, match="no quantized kernel for Q5_0"):
-        cpu_kernels.pack_quant_weight(np.zeros((1, 22), np.uint8), "Q5_0", 1, 32)
+    with pytest.raises(ValueError, match="no quantized kernel for Q6_K"):
+        cpu_kernels.pack_quant_weight(np.zeros((1, 210), np.uint8), "Q6_K", 1, 256)
     with pytest.raises(ValueError, match="not whole 32-weight blocks"):
         cpu_kernels.pack_quant_weight(np.zeros((1, 20), np.uint8), "Q4_1", 1, 48)
+    with pytest.raises(ValueError, match="not whole 256-weight blocks"):
+        cpu_kernels.pack_quant_weight(np.zeros((1, 72), np.uint8), "Q4_K", 1, 128)
 
 
 def test_matmul_rejects_a_mismatched_width(qk):
@@ -298,7 +370,7 @@ def test_matmul_rejects_a_mismatched_width(qk):
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lookup_from_packed_rows_equals_the_gguf_dequantization(qk, qtype, dtype):
-    n, k = 21, 96  # a padded last group
+    n, k = 21, _width(qtype, 96)  # a padded last group
     raw = _weights(qtype, n, k, seed=9)
     packed = cpu_kernels.pack_quant_weight(raw, qtype, n, k)
     ids = torch.tensor([[0, 20, 7], [8, 8, 13]])
@@ -320,7 +392,7 @@ def test_fused_linear_packs_its_shards_in_row_order(qk, qtype):
     from ingot.model_executor.layers.linear import MergedLinear
     from ingot.model_executor.layers.quantized import QuantizedWeight
 
-    k = 64
+    k = _width(qtype, 64)
     shards = [_weights(qtype, 13, k, seed=1), _weights(qtype, 11, k, seed=2)]
     linear = MergedLinear(k, [13, 11])
     for i in (1, 0):
@@ -344,6 +416,7 @@ def test_fused_linear_packs_its_shards_in_row_order(qk, qtype):
 @pytest.mark.parametrize(("n", "k"), [(16, 96), (13, 64), (960, 576)])  # 13: a padded group
 def test_dequantize_equals_the_gguf_package(qk, qtype, n, k):
     """Every value is the ``gguf`` package's dequantization in float32, rounded once to bf16."""
+    k = _width(qtype, k)
     raw = _weights(qtype, n, k, seed=6)
     packed = cpu_kernels.pack_quant_weight(raw, qtype, n, k)
     want = torch.from_numpy(dequantize(raw, _ggml(qtype)).reshape(n, k).astype(np.float32))
@@ -355,10 +428,10 @@ def test_dequantize_equals_the_gguf_package(qk, qtype, n, k):
 
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_twin_dequantize_with_a_blocks_scale_ignored_fails(qk, qtype):
-    n, k = 16, 96
+    n, k = 16, _width(qtype, 96)
     raw = _weights(qtype, n, k, seed=7)
     packed = cpu_kernels.pack_quant_weight(raw, qtype, n, k)
-    packed[1, 2, 2 * 5:2 * 5 + 2] = _f16_bytes(1.0)  # row 13, block 2: scale read as 1
+    _set_scale(packed, qtype, 1, 2, 5, 1.0)  # row 13, block 2: scale read as 1
     want = torch.from_numpy(dequantize(raw, _ggml(qtype)).reshape(n, k).astype(np.float32))
     assert not torch.equal(cpu_kernels.quant_dequantize(qk, packed, qtype, n, torch.float32), want)
 
@@ -377,6 +450,7 @@ def test_amx_tiles_serve_many_rows_with_the_integer_dots_bits():
     try:
         for qtype in QTYPES:
             for m, n, k in [(16, 40, 96), (37, 100, 576)]:
+                k = _width(qtype, k)
                 raw = _weights(qtype, n, k, seed=m)
                 x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
                 qk.amx_setup(cpu_kernels.QUANT_AMX_MIN_ROWS)

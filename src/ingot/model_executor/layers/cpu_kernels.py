@@ -760,11 +760,11 @@ def bind_openmp_team(cpus: tuple[int, ...]) -> bool | None:
 
 
 # ---- GGUF-quantized weights (cpu_kernels_quant.c) ----------------------------------------------
-# Issue #33's first kernels: Q4_0 / Q4_1 / Q8_0 weights kept as the file's blocks (repacked 8 rows
-# interleaved), activations quantized per 32 to int8 (llama.cpp's Q8_1 scheme), integer dot
-# products. Not yet wired into model loading; bench/quant_linear.py and
-# tests/unit/test_quant_kernels.py use them, docs/features.md ("Quantized weights (GGUF)") has
-# the measured plan.
+# Issue #33's kernels: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weights kept as the file's blocks, Q4_K /
+# Q5_K as per-32 blocks with float32 scales (repacked 8 rows interleaved), activations quantized
+# per 32 to int8 (llama.cpp's Q8_1 scheme), integer dot products. The GGUF loader keeps those
+# types (loader/gguf_loader.py, layers/quantized.py); docs/features.md ("Quantized weights
+# (GGUF)") has the measurements.
 
 _QUANT_SOURCE_PATH = Path(__file__).with_name("cpu_kernels_quant.c")
 #: The quantized library's builds (no bf16 arithmetic, so "avx512_bf16" would duplicate
@@ -776,13 +776,20 @@ _QUANT_EXTRA = {"avx512": (("f16c",), ("-mf16c",), ("avx512_vnni", "-mavx512vnni
                 "portable": ((), (), None)}
 #: Rows interleaved in a repacked group (QROWS in the C source).
 QUANT_GROUP_ROWS = 8
-#: GGUF type name -> (GGML type id, bytes of one 32-weight block in the file, bytes of one
-#: repacked (group, block): 8 rows' blocks).
+#: GGUF type name -> (GGML type id, bytes of 32 weights in the file, bytes of one repacked
+#: (group, block): 8 rows' blocks). A K-quant's 32 weights are an eighth of its 256-weight
+#: super-block; repacked, each is a block of its own with float32 scale and min.
 QUANT_TYPES: dict[str, tuple[int, int, int]] = {
     "Q4_0": (2, 18, 144),
     "Q4_1": (3, 20, 160),
+    "Q5_0": (6, 22, 176),
+    "Q5_1": (7, 24, 192),
     "Q8_0": (8, 34, 272),
+    "Q4_K": (12, 18, 192),
+    "Q5_K": (13, 22, 224),
 }
+#: The K-quants among them: 256-weight super-blocks in the file.
+K_QUANTS = ("Q4_K", "Q5_K")
 
 
 class QuantKernels:
@@ -846,36 +853,86 @@ def load_quant_kernels(isa: str | None = None) -> QuantKernels | None:
 def pack_quant_weight(raw, qtype: str, n: int, k: int) -> torch.Tensor:  # noqa: ANN001
     """A GGUF tensor's bytes (``raw``: [N, K/32 * block bytes] uint8, numpy or torch, rows in
     the file's order) -> the quantized kernels' layout, [ceil(N/8), K/32, group bytes] uint8:
-    per group of 8 rows and block of 32 weights, the 8 rows' f16 scales (Q4_1: then their f16
-    mins), then the weights 4 per row in turn (cpu_kernels_quant.c). The bytes are the file's,
-    rearranged; rows past N are zero blocks."""
+    per group of 8 rows and block of 32 weights, the 8 rows' scales (f16; float32 for the
+    K-quants), then their mins (Q4_1, Q5_1, K-quants), then the 5-bit types' fifth bits, then
+    the weights 4 per row in turn (cpu_kernels_quant.c). The legacy types' bytes are the file's,
+    rearranged; a K-quant's blocks take d * scale and -(dmin * min), exact in float32. Rows past
+    N are zero blocks."""
     if qtype not in QUANT_TYPES:
         raise ValueError(f"no quantized kernel for {qtype}; one of {list(QUANT_TYPES)}")
-    if k % 32:
-        raise ValueError(f"{qtype} rows of {k} weights are not whole 32-weight blocks")
+    per = 256 if qtype in K_QUANTS else 32
+    if k % per:
+        raise ValueError(f"{qtype} rows of {k} weights are not whole {per}-weight blocks")
     _, block_bytes, _ = QUANT_TYPES[qtype]
     nb, rows = k // 32, QUANT_GROUP_ROWS
     if getattr(raw, "flags", None) is not None and not raw.flags.writeable:
         raw = raw.copy()  # numpy over a read-only map: torch wants memory it may write
-    blocks = torch.as_tensor(raw).view(torch.uint8).reshape(n, nb, block_bytes)
     groups = -(-n // rows)
+    flat = torch.as_tensor(raw).view(torch.uint8).reshape(n, nb * block_bytes)
     if groups * rows != n:
-        blocks = torch.cat([blocks, blocks.new_zeros(groups * rows - n, nb, block_bytes)])
-    blocks = blocks.view(groups, rows, nb, block_bytes).transpose(1, 2)  # [G, nb, 8, bytes]
-    scales = blocks[..., 0:2].reshape(groups, nb, 2 * rows)
+        flat = torch.cat([flat, flat.new_zeros(groups * rows - n, nb * block_bytes)])
+    if qtype in K_QUANTS:
+        scales, mins, q = _k_quant_blocks(flat, qtype, groups * rows, k)
+    else:
+        blocks = flat.view(groups * rows, nb, block_bytes)
+        scales, mins = blocks[..., 0:2], blocks[..., 2:4] if qtype in ("Q4_1", "Q5_1") else None
+        if qtype == "Q8_0":
+            q = blocks[..., 2:34]
+        else:
+            first = 2 + (2 if mins is not None else 0) + (4 if qtype in ("Q5_0", "Q5_1") else 0)
+            nibbles = blocks[..., first:first + 16]  # low: weight e, high: weight e + 16
+            q = torch.cat([nibbles & 15, nibbles >> 4], -1)  # [N, nb, 32], weight order
+            if first > 4 or qtype == "Q5_0":  # bit e of the little-endian qh: weight e's fifth
+                qh = blocks[..., first - 4:first].to(torch.int64)
+                word = qh[..., 0] | qh[..., 1] << 8 | qh[..., 2] << 16 | qh[..., 3] << 24
+                q = q | (((word[..., None] >> torch.arange(32)) & 1) << 4).to(torch.uint8)
+
+    def by_group(t: torch.Tensor) -> torch.Tensor:  # [N, nb, x] -> [G, nb, 8 rows * x]
+        return t.reshape(groups, rows, nb, -1).transpose(1, 2).reshape(groups, nb, -1)
+
+    parts = [by_group(scales)]
+    if mins is not None:
+        parts.append(by_group(mins))
+    q = q.reshape(groups, rows, nb, 32).transpose(1, 2)  # [G, nb, 8, 32]
     if qtype == "Q8_0":  # weight 4c + j of row r -> chunk c, lane r, byte j
-        qs = blocks[..., 2:34].reshape(groups, nb, rows, 8, 4).transpose(2, 3)
-        return torch.cat([scales, qs.reshape(groups, nb, 32 * rows)], -1).contiguous()
-    first = 4 if qtype == "Q4_1" else 2
-    nibbles = blocks[..., first:first + 16]  # low: weight e, high: weight e + 16
-    q = torch.cat([nibbles & 15, nibbles >> 4], -1)  # [G, nb, 8, 32], weight order
-    # weight 8c + 4h + j of row r -> chunk c, lane r, byte j, low nibble (h 0) or high (h 1)
-    q = q.reshape(groups, nb, rows, 4, 2, 4).permute(0, 1, 3, 2, 4, 5)
-    packed = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(groups, nb, 16 * rows)
-    parts = [scales]
-    if qtype == "Q4_1":
-        parts.append(blocks[..., 2:4].reshape(groups, nb, 2 * rows))
-    return torch.cat([*parts, packed], -1).contiguous()
+        parts.append(q.reshape(groups, nb, rows, 8, 4).transpose(2, 3).reshape(groups, nb, -1))
+        return torch.cat(parts, -1).contiguous()
+    # weight 8c + 4h + j of row r -> chunk c, lane r, byte j, low nibble (h 0) or high (h 1);
+    # its fifth bit -> row r's qh byte j, bit 2c + h
+    q = q.reshape(groups, nb, rows, 4, 2, 4)
+    if qtype in ("Q5_0", "Q5_1", "Q5_K"):
+        bits = ((q >> 4) & 1).permute(0, 1, 2, 5, 3, 4).reshape(groups, nb, rows, 4, 8)
+        parts.append((bits.to(torch.int32) << torch.arange(8, dtype=torch.int32)).sum(-1)
+                     .to(torch.uint8).reshape(groups, nb, -1))
+    q = (q & 15).permute(0, 1, 3, 2, 4, 5)
+    parts.append((q[..., 0, :] | (q[..., 1, :] << 4)).reshape(groups, nb, 16 * rows))
+    return torch.cat(parts, -1).contiguous()
+
+
+def _k_quant_blocks(flat: torch.Tensor, qtype: str, n: int, k: int,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A K-quant tensor's super-blocks ([N, K/256 * bytes] uint8) as 32-weight blocks: (the
+    float32 scale d * sc and min -(dmin * m) of each block as bytes [N, K/32, 4] each, the
+    weights 0..15 or 0..31 [N, K/32, 32] uint8), as the gguf package dequantizes them: w =
+    (d * sc) q - dmin m."""
+    size = 144 if qtype == "Q4_K" else 176
+    sb = flat.view(n, k // 256, size)
+    d = sb[..., 0:2].contiguous().view(torch.float16).float()
+    dmin = sb[..., 2:4].contiguous().view(torch.float16).float()
+    sc_bytes = sb[..., 4:16]
+    a, b, c = sc_bytes[..., 0:4], sc_bytes[..., 4:8], sc_bytes[..., 8:12]
+    sc = torch.cat([a & 63, (c & 15) | ((a >> 2) & 48)], -1).float()  # [N, S, 8]
+    mn = torch.cat([b & 63, (c >> 4) | ((b >> 2) & 48)], -1).float()
+    scale = (d * sc).reshape(n, -1, 1)  # both exact: 11 x 6 significant bits
+    low = -(dmin * mn).reshape(n, -1, 1)
+    qs = sb[..., -128:].reshape(n, k // 256, 4, 1, 32)
+    q = ((qs >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 1, 2, 1)) & 15)
+    q = q.reshape(n, k // 256, 8, 32)  # sub-block 2p: low nibbles of qs[32p:], 2p + 1: high
+    if qtype == "Q5_K":  # bit i of qh[e]: sub-block i's weight e
+        qh = sb[..., 16:48].reshape(n, k // 256, 1, 32)
+        q = q | (((qh >> torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1)) & 1) << 4)
+    return (scale.contiguous().view(torch.uint8), low.contiguous().view(torch.uint8),
+            q.reshape(n, k // 32, 32))
 
 
 def quantize_q8_1(kernels: QuantKernels, x: torch.Tensor,

@@ -3,15 +3,24 @@
  * 8-lane integer section (vq / vqf: vpmaddubsw + vpmaddwd on AVX2, vpdpbusd with VNNI, lane
  * loops in the portable build).
  *
- * Weights: Q4_0, Q4_1, Q8_0, repacked once at load (cpu_kernels.pack_quant_weight) into groups
- * of QROWS = 8 rows. Group g, block b (32 weights of each of the 8 rows) is GB contiguous bytes:
+ * Weights: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, and Q4_K, Q5_K as per-32 blocks, repacked once at
+ * load (cpu_kernels.pack_quant_weight) into groups of QROWS = 8 rows. Group g, block b (32
+ * weights of each of the 8 rows) is GB contiguous bytes:
  *   Q4_0 (144 B): d[8] f16 | qs[4][8 rows][4 bytes]
  *   Q4_1 (160 B): d[8] f16 | m[8] f16 | qs[4][8 rows][4 bytes]
+ *   Q5_0 (176 B): d[8] f16 | qh[8 rows][4 bytes] | qs[4][8 rows][4 bytes]
+ *   Q5_1 (192 B): d[8] f16 | m[8] f16 | qh[8 rows][4 bytes] | qs[4][8 rows][4 bytes]
  *   Q8_0 (272 B): d[8] f16 | qs[8][8 rows][4 int8]
- * Q4 chunk c, row r, byte j: low nibble = weight 8c + j, high nibble = weight 8c + 4 + j, so one
- * 32-byte load gives every lane 4 weights of its row, as llama.cpp's repacked (8x8) layouts do.
- * The bytes are the file's (the same f16 scales, the same nibbles): resident = file size.
- * Rows past N (the last group's padding) are zero blocks.
+ *   Q4_K (192 B): d[8] f32 | m[8] f32 | qs[4][8 rows][4 bytes]
+ *   Q5_K (224 B): d[8] f32 | m[8] f32 | qh[8 rows][4 bytes] | qs[4][8 rows][4 bytes]
+ * Chunk c, row r, byte j of qs: low nibble = weight 8c + j, high nibble = weight 8c + 4 + j, so
+ * one 32-byte load gives every lane 4 weights of its row, as llama.cpp's repacked (8x8) layouts
+ * do; a 5-bit weight's fifth bit is bit 2c (low nibble) or 2c + 1 (high) of byte j of its row's
+ * qh. The legacy types' bytes are the file's (the same f16 scales, the same bits): resident =
+ * file size. A K-quant's 256-weight super-block (f16 d and dmin, 6-bit scale and min per 32)
+ * becomes 8 blocks with d = d * scale and m = -(dmin * min) in float32 (both products exact),
+ * so its blocks take the Q4_1 / Q5_1 arithmetic; resident is 4/3 (Q4_K) and 14/11 (Q5_K) of
+ * the file. Rows past N (the last group's padding) are zero blocks.
  *
  * Activations: quantized per row and per 32 (llama.cpp's Q8_1 scheme) by
  * ingot_quantize_q8_1: amax = max |x|, d = amax / 127, q = nearest-even(x * (127 / amax))
@@ -21,8 +30,9 @@
  * every operation rounded (this library is built with -ffp-contract=off: no fused multiply-add,
  * so every build gives the same bits, which tests/unit/test_quant_kernels.py restates):
  *   p = dw * dx;  acc = acc + p * (float)isum          (isum = sum of the 32 integer products;
- *                                                       Q4_0: sum (q - 8) qx = isum - 8 sum)
- *   Q4_1 only:    acc = acc + mw * sx
+ *                                                       Q4_0: sum (q - 8) qx = isum - 8 sum,
+ *                                                       Q5_0: isum - 16 sum)
+ *   with a min (Q4_1, Q5_1, Q4_K, Q5_K):  acc = acc + mw * sx
  * then + bias[n] where a bias is given. Rows are independent, so a row's result is the same
  * alone or batched, and whatever the thread count. */
 #include <math.h>
@@ -36,19 +46,31 @@
 #define QROWS 8
 #define QM 4 /* activation rows per tile: 4 accumulators + 4 integer sums fit the 16 ymm */
 #define QPREFETCH_BYTES 2048
-enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8 }; /* GGML type ids */
+enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q5_0 = 6, QT_Q5_1 = 7, QT_Q8_0 = 8, QT_Q4_K = 12,
+       QT_Q5_K = 13 }; /* GGML type ids */
+/* A type's block layout (constants where QT is: every kernel is specialised per type) */
+#define QT_F32(QT) ((QT) == QT_Q4_K || (QT) == QT_Q5_K) /* float32 scales and mins */
+#define QT_MIN(QT) ((QT) == QT_Q4_1 || (QT) == QT_Q5_1 || QT_F32(QT))
+#define QT_HIGH(QT) ((QT) == QT_Q5_0 || (QT) == QT_Q5_1 || (QT) == QT_Q5_K) /* 5-bit */
+#define QT_OFFSET(QT) ((QT) == QT_Q4_0 ? 8 : (QT) == QT_Q5_0 ? 16 : 0)   /* q stored + offset */
+#define QT_SCALES(QT) (QT_F32(QT) ? 32 : 16)                 /* bytes of 8 scales */
+#define QT_HIGH_AT(QT) (QT_SCALES(QT) * (QT_MIN(QT) ? 2 : 1)) /* qh after scales (and mins) */
+#define QT_QS_AT(QT) (QT_HIGH_AT(QT) + (QT_HIGH(QT) ? 32 : 0))
+#define QT_KNOWN(QT) ((QT) == QT_Q4_0 || (QT) == QT_Q4_1 || (QT) == QT_Q5_0 || (QT) == QT_Q5_1 || \
+                      (QT) == QT_Q8_0 || (QT) == QT_Q4_K || (QT) == QT_Q5_K)
+
+/* The 8 rows' scales (or mins) of a block at p, as float32 */
+INL vqf qt_scales(const int QT, const uint8_t *p) {
+    return QT_F32(QT) ? vqf_load(p) : vqf_load_f16(p);
+}
 
 int ingot_quant_lanes(void) { return VL; }
 int ingot_quant_dot_kind(void) { return VQ_DOT_KIND; }
 
 /* Bytes of one (group, block): 8 rows x 32 weights. 0 for a type this library does not take. */
 int64_t ingot_quant_group_bytes(int qtype) {
-    switch (qtype) {
-    case QT_Q4_0: return 144;
-    case QT_Q4_1: return 160;
-    case QT_Q8_0: return 272;
-    default: return 0;
-    }
+    if (!QT_KNOWN(qtype)) return 0;
+    return QT_QS_AT(qtype) + (qtype == QT_Q8_0 ? 256 : 128);
 }
 
 /* x [M, K] (float32, or bf16 where x_bf16) -> per block of 32: xq int8 [M, K], d, s = d * sum,
@@ -106,11 +128,13 @@ INL void qtile(const int QT, const int mt, const uint8_t *g, int64_t nb, int64_t
                     isum[t] = vq_dot_s8s8(isum[t], w, vq_bcast4(xq + t * K + 32 * b + 4 * c));
             }
         } else {
-            const uint8_t *qs = gb + (QT == QT_Q4_1 ? 32 : 16);
+            const uint8_t *qs = gb + QT_QS_AT(QT);
+            const vq qh = QT_HIGH(QT) ? vq_load(gb + QT_HIGH_AT(QT)) : vq_set1(0);
 #if VQ_DOT_KIND == 2
             for (int c = 0; c < 4; c++) {
                 const vq p = vq_load(qs + 32 * c);
-                const vq lo = vq_lo_nibbles(p), hi = vq_hi_nibbles(p);
+                vq lo = vq_lo_nibbles(p), hi = vq_hi_nibbles(p);
+                if (QT_HIGH(QT)) lo = vq_or(lo, vq_bit4(qh, 2 * c)), hi = vq_or(hi, vq_bit4(qh, 2 * c + 1));
                 for (int t = 0; t < mt; t++) {
                     const int8_t *xb = xq + t * K + 32 * b + 8 * c;
                     isum[t] = vq_dot_u8s8(isum[t], lo, vq_bcast4(xb));
@@ -118,33 +142,38 @@ INL void qtile(const int QT, const int mt, const uint8_t *g, int64_t nb, int64_t
                 }
             }
 #else
-            /* Without VNNI: the 8 pair products per lane summed in int16 (at most 8 x 2 x 15 x
-               127 = 30480) and widened once per block: one vpmaddwd per block instead of 8,
-               half the multiplier-port work that bounds the multi-row case. */
+            /* Without VNNI: the 8 pair products per lane summed in int16 (4-bit: at most 8 x 2 x
+               15 x 127 = 30480) and widened once per block (5-bit: 2 x 31 x 127 a pair, so
+               once per 2 chunks, 31496): one vpmaddwd per block instead of 8, half the
+               multiplier-port work that bounds the multi-row case. */
             vq s16[QM];
             for (int t = 0; t < mt; t++) s16[t] = vq_set1(0);
 #pragma GCC unroll 1
             for (int c = 0; c < 4; c++) {
                 const vq p = vq_load(qs + 32 * c);
-                const vq lo = vq_lo_nibbles(p), hi = vq_hi_nibbles(p);
+                vq lo = vq_lo_nibbles(p), hi = vq_hi_nibbles(p);
+                if (QT_HIGH(QT)) lo = vq_or(lo, vq_bit4(qh, 2 * c)), hi = vq_or(hi, vq_bit4(qh, 2 * c + 1));
                 for (int t = 0; t < mt; t++) {
                     const int8_t *xb = xq + t * K + 32 * b + 8 * c;
                     s16[t] = vq_add_i16(s16[t], vq_mul_u8s8_i16(lo, vq_bcast4(xb)));
                     s16[t] = vq_add_i16(s16[t], vq_mul_u8s8_i16(hi, vq_bcast4(xb + 4)));
                 }
+                if (QT_HIGH(QT) && (c & 1))
+                    for (int t = 0; t < mt; t++) isum[t] = vq_sum_i16(isum[t], s16[t]), s16[t] = vq_set1(0);
             }
-            for (int t = 0; t < mt; t++) isum[t] = vq_sum_i16(isum[t], s16[t]);
+            if (!QT_HIGH(QT))
+                for (int t = 0; t < mt; t++) isum[t] = vq_sum_i16(isum[t], s16[t]);
 #endif
         }
-        const vqf dw = vqf_load_f16(gb);
+        const vqf dw = qt_scales(QT, gb);
         for (int t = 0; t < mt; t++) {
             const int64_t xb = t * (K / 32) + b;
             vq s = isum[t];
-            if (QT == QT_Q4_0) s = vq_sub(s, vq_set1(8 * xsum[xb]));
+            if (QT_OFFSET(QT)) s = vq_sub(s, vq_set1(QT_OFFSET(QT) * xsum[xb]));
             acc[t] = vqf_add(acc[t], vqf_mul(vqf_mul(dw, vqf_set1(xd[xb])), vq_tofloat(s)));
         }
-        if (QT == QT_Q4_1) {
-            const vqf mw = vqf_load_f16(gb + 16);
+        if (QT_MIN(QT)) {
+            const vqf mw = qt_scales(QT, gb + QT_SCALES(QT));
             for (int t = 0; t < mt; t++)
                 acc[t] = vqf_add(acc[t], vqf_mul(mw, vqf_set1(xs[t * (K / 32) + b])));
         }
@@ -183,9 +212,15 @@ int ingot_quant_matmul(int qtype, const int8_t *xq, const float *xd, const float
             const int32_t *xsumm = xsum + m0 * nb;
             const int pf = m0 == 0;
             vqf acc[QM];
-            if (qtype == QT_Q4_0) { QTILE_CASES(QT_Q4_0) }
-            else if (qtype == QT_Q4_1) { QTILE_CASES(QT_Q4_1) }
-            else { QTILE_CASES(QT_Q8_0) }
+            switch (qtype) {
+            case QT_Q4_0: QTILE_CASES(QT_Q4_0) break;
+            case QT_Q4_1: QTILE_CASES(QT_Q4_1) break;
+            case QT_Q5_0: QTILE_CASES(QT_Q5_0) break;
+            case QT_Q5_1: QTILE_CASES(QT_Q5_1) break;
+            case QT_Q4_K: QTILE_CASES(QT_Q4_K) break;
+            case QT_Q5_K: QTILE_CASES(QT_Q5_K) break;
+            default: QTILE_CASES(QT_Q8_0) break;
+            }
             for (int t = 0; t < mt; t++) {
                 float out[QROWS];
                 vqf_store(out, acc[t]);
@@ -246,11 +281,9 @@ INL void amx_item(int qtype, const int8_t *xq, const float *xd, const float *xs,
                 const int64_t g = 4 * it + 2 * h + q;
                 const uint8_t *gb = g < groups ? w + (g * nb + b) * GB : NULL;
                 float *d = dw + (b * 2 + h) * 16 + 8 * q, *m = mw + (b * 2 + h) * 16 + 8 * q;
-                _mm256_storeu_ps(d, gb ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)gb))
-                                       : _mm256_setzero_ps());
-                _mm256_storeu_ps(m, gb && qtype == QT_Q4_1
-                                        ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gb + 16)))
-                                        : _mm256_setzero_ps());
+                _mm256_storeu_ps(d, gb ? qt_scales(qtype, gb) : _mm256_setzero_ps());
+                _mm256_storeu_ps(m, gb && QT_MIN(qtype) ? qt_scales(qtype, gb + QT_SCALES(qtype))
+                                                        : _mm256_setzero_ps());
                 if (qtype == QT_Q8_0) {
                     for (int c = 0; c < 8; c++) {
                         const __m256i p = gb ? _mm256_loadu_si256((const __m256i *)(gb + 16 + 32 * c))
@@ -258,12 +291,13 @@ INL void amx_item(int qtype, const int8_t *xq, const float *xd, const float *xs,
                         _mm256_store_si256((__m256i *)(t + 64 * c + 32 * q), p);
                     }
                 } else {
-                    const uint8_t *qs = gb ? gb + (qtype == QT_Q4_1 ? 32 : 16) : NULL;
+                    const uint8_t *qs = gb ? gb + QT_QS_AT(qtype) : NULL;
+                    const vq qh = gb && QT_HIGH(qtype) ? vq_load(gb + QT_HIGH_AT(qtype)) : vq_set1(0);
                     for (int c = 0; c < 4; c++) {
                         const __m256i p = qs ? _mm256_loadu_si256((const __m256i *)(qs + 32 * c))
                                              : _mm256_setzero_si256();
-                        const __m256i lo = _mm256_and_si256(p, _mm256_set1_epi8(15));
-                        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), _mm256_set1_epi8(15));
+                        __m256i lo = vq_lo_nibbles(p), hi = vq_hi_nibbles(p);
+                        if (QT_HIGH(qtype)) lo = vq_or(lo, vq_bit4(qh, 2 * c)), hi = vq_or(hi, vq_bit4(qh, 2 * c + 1));
                         _mm256_store_si256((__m256i *)(t + 64 * (2 * c) + 32 * q), lo);
                         _mm256_store_si256((__m256i *)(t + 64 * (2 * c + 1) + 32 * q), hi);
                     }
@@ -309,10 +343,11 @@ INL void amx_item(int qtype, const int8_t *xq, const float *xd, const float *xs,
                     for (int i = 0; i < 16; i++) {
                         const int64_t xb = row[i] * nb + b;
                         __m512i si = _mm512_load_si512(isum[j][i]);
-                        if (qtype == QT_Q4_0) si = _mm512_sub_epi32(si, _mm512_set1_epi32(8 * xsum[xb]));
+                        if (QT_OFFSET(qtype))
+                            si = _mm512_sub_epi32(si, _mm512_set1_epi32(QT_OFFSET(qtype) * xsum[xb]));
                         const __m512 p = _mm512_mul_ps(d, _mm512_set1_ps(xd[xb]));
                         acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(p, _mm512_cvtepi32_ps(si)));
-                        if (qtype == QT_Q4_1)
+                        if (QT_MIN(qtype))
                             acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(mn, _mm512_set1_ps(xs[xb])));
                     }
                 }
@@ -366,9 +401,15 @@ static int amx_matmul(int qtype, const int8_t *xq, const float *xd, const float 
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
             if (!bt) continue;
-            if (qtype == QT_Q4_0) AMX_ITEM_CASE(QT_Q4_0);
-            else if (qtype == QT_Q4_1) AMX_ITEM_CASE(QT_Q4_1);
-            else AMX_ITEM_CASE(QT_Q8_0);
+            switch (qtype) {
+            case QT_Q4_0: AMX_ITEM_CASE(QT_Q4_0); break;
+            case QT_Q4_1: AMX_ITEM_CASE(QT_Q4_1); break;
+            case QT_Q5_0: AMX_ITEM_CASE(QT_Q5_0); break;
+            case QT_Q5_1: AMX_ITEM_CASE(QT_Q5_1); break;
+            case QT_Q4_K: AMX_ITEM_CASE(QT_Q4_K); break;
+            case QT_Q5_K: AMX_ITEM_CASE(QT_Q5_K); break;
+            default: AMX_ITEM_CASE(QT_Q8_0); break;
+            }
         }
         free(bt);
         _tile_release();
@@ -412,42 +453,65 @@ int ingot_quant_linear(int qtype, const void *x, int x_bf16, const uint8_t *w, c
 }
 
 /* Lane r of the (group, block) at gb, dequantized -> 32 values stored at y + at (float32, or
-   bf16 where y_bf16): the gguf package's dequantization (Q8_0 d q, Q4_0 d (q - 8), Q4_1 d q + m),
-   each value one rounding from the file's f16 and integers (then once more to bf16). The row's
-   8 runs of 4 bytes are gathered in the file's weight order, then scaled VL at a time (the
-   scalar version took ~2 cycles a weight: most of a 128-token prefill's time on AMX). */
-INL void dequantize_lane(int qtype, const uint8_t *gb, int64_t r, void *y, int y_bf16,
+   bf16 where y_bf16): the gguf package's dequantization (Q8_0 d q, Q4_0 d (q - 8), Q5_0
+   d (q - 16), Q4_1 / Q5_1 d q + m; Q4_K / Q5_K (d scale) q - dmin min, here d q + m with the
+   block's float32 d and m), each value one rounding from the stored scales and integers (then
+   once more to bf16). The row's 8 runs of 4 bytes are gathered in the file's weight order, then
+   scaled VL at a time (the scalar version took ~2 cycles a weight: most of a 128-token
+   prefill's time on AMX). QT is a constant at each call (specialised). */
+INL void dequantize_lane(const int QT, const uint8_t *gb, int64_t r, void *y, int y_bf16,
                          int64_t at) {
-    uint16_t h;
-    memcpy(&h, gb + 2 * r, 2);
-    const vf d = vset1(from_fp16(h));
-    vf m = vzero();
-    if (qtype == QT_Q4_1) {
-        memcpy(&h, gb + 16 + 2 * r, 2);
-        m = vset1(from_fp16(h));
+    float sd, sm = 0.0f;
+    if (QT_F32(QT)) {
+        memcpy(&sd, gb + 4 * r, 4);
+        if (QT_MIN(QT)) memcpy(&sm, gb + 32 + 4 * r, 4);
+    } else {
+        uint16_t h;
+        memcpy(&h, gb + 2 * r, 2);
+        sd = from_fp16(h);
+        if (QT_MIN(QT)) {
+            memcpy(&h, gb + 16 + 2 * r, 2);
+            sm = from_fp16(h);
+        }
     }
+    const vf d = vset1(sd), m = vset1(sm);
     uint8_t q[32] __attribute__((aligned(32)));
-    if (qtype == QT_Q8_0) {
+    if (QT == QT_Q8_0) {
         for (int c = 0; c < 8; c++) memcpy(q + 4 * c, gb + 16 + 32 * c + 4 * r, 4);
     } else {
-        const uint8_t *qs = gb + (qtype == QT_Q4_1 ? 32 : 16);
+        const uint8_t *qs = gb + QT_QS_AT(QT);
+        uint32_t qh = 0;
+        if (QT_HIGH(QT)) memcpy(&qh, gb + QT_HIGH_AT(QT) + 4 * r, 4);
         for (int c = 0; c < 4; c++) {
             uint32_t v;
             memcpy(&v, qs + 32 * c + 4 * r, 4);
-            const uint32_t lo = v & 0x0f0f0f0fu, hi = (v >> 4) & 0x0f0f0f0fu;
+            /* byte j's bits 2c and 2c + 1 of qh, moved to bit 4 of byte j */
+            const uint32_t lo = (v & 0x0f0f0f0fu) | (((qh >> (2 * c)) & 0x01010101u) << 4),
+                           hi = ((v >> 4) & 0x0f0f0f0fu) | (((qh >> (2 * c + 1)) & 0x01010101u) << 4);
             memcpy(q + 8 * c, &lo, 4);
             memcpy(q + 8 * c + 4, &hi, 4);
         }
     }
     for (int i = 0; i < 32; i += VL) {
-        vf v = qtype == QT_Q8_0 ? vload_s8((const int8_t *)q + i) : vload_u8(q + i);
-        if (qtype == QT_Q4_0) v = vsub(v, vset1(8.0f)); /* exact: small integers */
+        vf v = QT == QT_Q8_0 ? vload_s8((const int8_t *)q + i) : vload_u8(q + i);
+        if (QT_OFFSET(QT)) v = vsub(v, vset1((float)QT_OFFSET(QT))); /* exact: small integers */
         v = vmul(d, v);
-        if (qtype == QT_Q4_1) v = vadd(v, m);
+        if (QT_MIN(QT)) v = vadd(v, m);
         if (y_bf16) vstore_bf16_part((uint16_t *)y + at + i, vround_bf16(v), VL);
         else vstore((float *)y + at + i, v);
     }
 }
+
+#define DEQUANTIZE_LANE(qtype, ...)                                                            \
+    switch (qtype) {                                                                           \
+    case QT_Q4_0: dequantize_lane(QT_Q4_0, __VA_ARGS__); break;                                \
+    case QT_Q4_1: dequantize_lane(QT_Q4_1, __VA_ARGS__); break;                                \
+    case QT_Q5_0: dequantize_lane(QT_Q5_0, __VA_ARGS__); break;                                \
+    case QT_Q5_1: dequantize_lane(QT_Q5_1, __VA_ARGS__); break;                                \
+    case QT_Q4_K: dequantize_lane(QT_Q4_K, __VA_ARGS__); break;                                \
+    case QT_Q5_K: dequantize_lane(QT_Q5_K, __VA_ARGS__); break;                                \
+    default: dequantize_lane(QT_Q8_0, __VA_ARGS__); break;                                     \
+    }
 
 /* W repacked (above) -> dense y [N, K] (float32, or bf16 where y_bf16), each value the gguf
    package's dequantization in float32 rounded once (dequantize_lane): the weight a step of many
@@ -465,7 +529,7 @@ int ingot_quant_dequantize(int qtype, const uint8_t *w, void *y, int y_bf16, int
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *gb = w + (gi * nb + b) * GB;
             for (int64_t r = 0; r < rows; r++)
-                dequantize_lane(qtype, gb, r, y, y_bf16, (gi * QROWS + r) * K + 32 * b);
+                DEQUANTIZE_LANE(qtype, gb, r, y, y_bf16, (gi * QROWS + r) * K + 32 * b)
         }
     }
     return 0;
@@ -485,7 +549,7 @@ int ingot_quant_dequantize_rows(int qtype, const uint8_t *w, int64_t N, const in
     for (int64_t t = 0; t < T; t++) {
         const int64_t g = ids[t] / QROWS, r = ids[t] % QROWS;
         for (int64_t b = 0; b < nb; b++)
-            dequantize_lane(qtype, w + (g * nb + b) * GB, r, y, y_bf16, t * K + 32 * b);
+            DEQUANTIZE_LANE(qtype, w + (g * nb + b) * GB, r, y, y_bf16, t * K + 32 * b)
     }
     return 0;
 }

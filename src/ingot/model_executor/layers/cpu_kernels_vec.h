@@ -440,11 +440,12 @@ INL void vstore_part(float *p, vf v, int64_t left) {
    names are 8 lanes whatever the build's VL (AVX-512 builds run them on ymm registers, with
    vpdpbusd where AVX512-VNNI or AVX-VNNI is present):
      vq   8 x int32 (32 bytes): vq_load, vq_bcast4 (4 bytes to every lane), vq_set1, vq_add,
-          vq_sub, vq_lo_nibbles / vq_hi_nibbles (each byte's low / high 4 bits, 0..15),
+          vq_sub, vq_or, vq_lo_nibbles / vq_hi_nibbles (each byte's low / high 4 bits, 0..15),
+          vq_bit4 (each byte's bit s as 16 or 0: a 5-bit weight's fifth bit),
           vq_dot_u8s8 (acc + per lane sum of 4 products unsigned byte x signed byte; on AVX2
           vpmaddubsw's int16 pair sums must not saturate: a <= 128 and |b| <= 127 keep them
           inside), vq_dot_s8s8 (both signed: |a| as the unsigned side, b given a's sign);
-     vqf  8 x float32: vqf_zero/set1/add/mul/store, vq_tofloat (exact below 2^24),
+     vqf  8 x float32: vqf_zero/set1/add/mul/load/store, vq_tofloat (exact below 2^24),
           vqf_load_f16 (8 IEEE halves widened, F16C where the build has it). */
 INL float from_fp16(uint16_t h) { /* exact, subnormals included */
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, man = h & 0x3ffu;
@@ -477,6 +478,12 @@ INL vq vq_add(vq a, vq b) { return _mm256_add_epi32(a, b); }
 INL vq vq_sub(vq a, vq b) { return _mm256_sub_epi32(a, b); }
 INL vq vq_lo_nibbles(vq p) { return _mm256_and_si256(p, _mm256_set1_epi8(15)); }
 INL vq vq_hi_nibbles(vq p) { return _mm256_and_si256(_mm256_srli_epi16(p, 4), _mm256_set1_epi8(15)); }
+INL vq vq_or(vq a, vq b) { return _mm256_or_si256(a, b); }
+/* each byte's bit s (0..7) as 16 or 0: the fifth bit of a 5-bit weight (bits stay inside their
+   byte: the mask keeps bit 4, which both shifts took from bit s of the same byte) */
+INL vq vq_bit4(vq v, int s) {
+    return _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(v, s), 4), _mm256_set1_epi8(16));
+}
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define VQ_DOT_KIND 2 /* vpdpbusd */
 INL vq vq_dot_u8s8(vq acc, vq a, vq b) { return _mm256_dpbusd_epi32(acc, a, b); }
@@ -500,6 +507,7 @@ INL vqf vqf_set1(float a) { return _mm256_set1_ps(a); }
 INL vqf vqf_add(vqf a, vqf b) { return _mm256_add_ps(a, b); }
 INL vqf vqf_mul(vqf a, vqf b) { return _mm256_mul_ps(a, b); }
 INL void vqf_store(float *p, vqf v) { _mm256_storeu_ps(p, v); }
+INL vqf vqf_load(const void *p) { return _mm256_loadu_ps((const float *)p); }
 INL vqf vq_tofloat(vq a) { return _mm256_cvtepi32_ps(a); }
 INL vqf vqf_load_f16(const void *p) {
 #if defined(__F16C__)
@@ -524,6 +532,8 @@ INL vq vq_add(vq a, vq b) { return a + b; }
 INL vq vq_sub(vq a, vq b) { return a - b; }
 INL vq vq_lo_nibbles(vq p) { return (vq)((vq_u8)p & 15); }
 INL vq vq_hi_nibbles(vq p) { return (vq)((vq_u8)p >> 4); }
+INL vq vq_or(vq a, vq b) { return a | b; }
+INL vq vq_bit4(vq v, int s) { return (vq)((((vq_u8)v >> s) & 1) << 4); }
 INL vq vq_dot_u8s8(vq acc, vq a, vq b) {
     uint8_t ab[32];
     int8_t bb[32];
@@ -565,6 +575,7 @@ INL vqf vqf_set1(float a) { vqf r; for (int i = 0; i < 8; i++) r[i] = a; return 
 INL vqf vqf_add(vqf a, vqf b) { return a + b; }
 INL vqf vqf_mul(vqf a, vqf b) { return a * b; }
 INL void vqf_store(float *p, vqf v) { memcpy(p, &v, 32); }
+INL vqf vqf_load(const void *p) { vqf r; memcpy(&r, p, 32); return r; }
 INL vqf vq_tofloat(vq a) { return __builtin_convertvector(a, vqf); }
 INL vqf vqf_load_f16(const void *p) {
     uint16_t h[8];

@@ -400,7 +400,7 @@ class GGUFModel:
 
     def kept_quantized(self) -> set[str]:
         """The GGUF tensors that ``weights(keep_quantized=True)`` yields as their file blocks:
-        Q4_0 / Q4_1 / Q8_0 (the types ingot's quantized kernels take) dense linear weights,
+        cpu_kernels.QUANT_TYPES (the types ingot's quantized kernels take) dense linear weights,
         every tensor of a fused group of one such type, and the token embedding / LM head."""
         kept: set[str] = set()
 
