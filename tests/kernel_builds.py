@@ -22,7 +22,8 @@ from ingot.model_executor.layers import cpu_kernels
 LIBRARIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "bf16": (tuple(cpu_kernels.ISAS), cpu_kernels.cpu_isas()),
     "f32": (cpu_kernels.F32_ISAS, cpu_kernels.f32_isas()),
-    "quant": (cpu_kernels.QUANT_ISAS, cpu_kernels.quant_isas()),
+    # (and, on a CPU with VNNI, its builds without it: the integer dots other CPUs run)
+    "quant": (cpu_kernels.QUANT_ISAS, cpu_kernels.quant_builds_here()),
 }
 _NAMES = {"bf16": "bf16", "f32": "float32", "quant": "quantized"}
 _LOADERS = {"bf16": cpu_kernels.load_cpu_kernels, "f32": cpu_kernels.load_f32_kernels,

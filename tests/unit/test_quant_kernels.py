@@ -31,6 +31,17 @@ def qk(request) -> cpu_kernels.QuantKernels:
     return kernel_builds.load("quant", request.param)
 
 
+@pytest.mark.parametrize("isa", kernel_builds.over("quant"))
+def test_each_build_runs_the_integer_dot_it_names(isa):
+    """vpdpbusd where the build's CPU has VNNI, vpmaddubsw + vpmaddwd in a ``-novnni`` build
+    (which a CPU with VNNI tests here for the CPUs without it), lane loops in "portable"."""
+    base = isa.removesuffix(cpu_kernels.QUANT_NO_VNNI)
+    vnni = cpu_kernels._QUANT_EXTRA[base][2]
+    want = 0 if base == "portable" else 1 if isa != base or not cpu_kernels._cpu_has(vnni[0]) \
+        else 2
+    assert kernel_builds.load("quant", isa).dot_kind == want
+
+
 def _ggml(qtype: str):  # noqa: ANN202
     return getattr(gguf.GGMLQuantizationType, qtype)
 

@@ -832,21 +832,37 @@ def quant_isas() -> tuple[str, ...]:
     return tuple(isa for isa in QUANT_ISAS if isa in runs and _cpu_has(*_QUANT_EXTRA[isa][0]))
 
 
+#: Suffix of a test build: the quantized library's build without the VNNI dot product on a CPU
+#: that has it, i.e. the integer dots (vpmaddubsw + vpmaddwd) a CPU with the same vectors and
+#: no VNNI runs (an AMD Zen 3 the avx2 one, a Skylake-X the avx512 one).
+QUANT_NO_VNNI = "-novnni"
+
+
+def quant_builds_here() -> tuple[str, ...]:
+    """Every quantized build this CPU runs, for the tests: :func:`quant_isas`, and where the
+    CPU has VNNI, those builds without it too (both dot products are then tested here)."""
+    runs = quant_isas()
+    return runs + tuple(isa + QUANT_NO_VNNI for isa in runs
+                        if _QUANT_EXTRA[isa][2] is not None and _cpu_has(_QUANT_EXTRA[isa][2][0]))
+
+
 def load_quant_kernels(isa: str | None = None) -> QuantKernels | None:
-    """The GGUF-quantized kernels for ``isa`` (one of :data:`QUANT_ISAS`; default: the widest
-    this CPU runs), built and loaded once per process; None where they cannot be used. Built
-    with ``-ffp-contract=off``: no fused multiply-adds, so every build gives the same bits."""
-    isa = _pick(isa, QUANT_ISAS, quant_isas())
+    """The GGUF-quantized kernels for ``isa`` (one of :data:`QUANT_ISAS`, or one with
+    :data:`QUANT_NO_VNNI` for the tests; default: the widest this CPU runs), built and loaded
+    once per process; None where they cannot be used. Built with ``-ffp-contract=off``: no
+    fused multiply-adds, so every build gives the same bits."""
+    no_vnni = isa is not None and isa.endswith(QUANT_NO_VNNI)
+    isa = _pick(isa.removesuffix(QUANT_NO_VNNI) if isa else None, QUANT_ISAS, quant_isas())
     if isa is None:
         return None
     _, extra_flags, vnni = _QUANT_EXTRA[isa]
     flags = [*ISAS[isa].cc_flags, *extra_flags, *_COMMON_FLAGS, "-ffp-contract=off"]
-    if vnni is not None and _cpu_has(vnni[0]):
+    if vnni is not None and _cpu_has(vnni[0]) and not no_vnni:
         flags.append(vnni[1])
     if isa == "avx512" and _cpu_has("amx_tile", "amx_int8"):
         flags += ["-mamx-tile", "-mamx-int8"]  # the AMX tiles' path for many rows
     amx_rows = quant_amx_rows()  # (a bad INGOT_CPU_QUANT_AMX raises here, before any caching)
-    return _load(f"quant-{isa}", _QUANT_SOURCE_PATH, flags,
+    return _load(f"quant-{isa}{QUANT_NO_VNNI if no_vnni else ''}", _QUANT_SOURCE_PATH, flags,
                  lambda lib: QuantKernels(lib, isa, amx_rows))
 
 
