@@ -112,7 +112,7 @@ class ModelConfig:
     is_encoder_only: bool = False
     #: Prompts may be given as [seq_len, hidden] tensors (engine/prompt_embeds.py).
     enable_prompt_embeds: bool = False
-    #: "gguf": a GGUF's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K linears and embedding stay quantized (CPU, ingot's
+    #: "gguf": a GGUF's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K linears and embedding stay quantized (CPU, ingot's
     #: quantized kernels); "none": every weight dequantized to ``dtype`` at load.
     quantization: str = "none"
 

@@ -49,7 +49,7 @@ def _ggml(qtype: str):  # noqa: ANN202
 K_QUANTS = cpu_kernels.K_QUANTS
 MIN_TYPES = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")  # w = d q + m
 FIVE_BIT = ("Q5_0", "Q5_1", "Q5_K")
-_SUPER_BYTES = {"Q4_K": 144, "Q5_K": 176}
+_SUPER_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
 
 def _width(qtype: str, k: int) -> int:
@@ -68,7 +68,11 @@ def _weights(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
         sb = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
         scale = rng.uniform(0.0005, 0.05, (n, 1, 2)) * rng.uniform(0.2, 2.0, (1, k // 256, 1))
         scale[0, 0] = 0.0  # d = dmin = 0: a super-block that contributes nothing
-        sb[..., 0:4] = scale.astype(np.float16).view(np.uint8).reshape(n, k // 256, 4)
+        halves = scale.astype(np.float16).view(np.uint8).reshape(n, k // 256, 4)
+        if qtype == "Q6_K":  # its f16 d comes last (scales are int8, the weights 6-bit)
+            sb[..., 208:210] = halves[..., 0:2]
+        else:
+            sb[..., 0:4] = halves
         return sb.reshape(n, -1)
     w = (rng.standard_normal((n, k)) * rng.uniform(0.01, 2.0, (n, 1))).astype(np.float32)
     w[0, :32] = 0.0  # d = 0 (and Q4_1's m = 0): a block that contributes nothing
@@ -78,9 +82,19 @@ def _weights(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
 
 
 def _parts(raw: np.ndarray, qtype: str, n: int, k: int):  # noqa: ANN202
-    """(q [N, K] int64 as stored: Q4 0..15, Q5 0..31, Q8_0 -128..127; d [N, K/32] float32;
-    m or None), restated from the file's layout (the K-quants: d = d * scale, m = -dmin * min,
-    float32, per 32-weight sub-block)."""
+    """(q [N, K] int64 as stored: Q4 0..15, Q5 0..31, Q8_0 -128..127, Q6_K q - 32; d [N,
+    K/32] float32, Q6_K [N, K/16]; m or None), restated from the file's layout (the K-quants:
+    d = d * scale, m = -dmin * min, float32, per 32-weight sub-block; Q6_K per 16)."""
+    if qtype == "Q6_K":
+        sb = raw.reshape(n, k // 256, 210)
+        ql = sb[..., :128].astype(np.int64).reshape(n, -1, 2, 1, 64)
+        qh = sb[..., 128:192].astype(np.int64).reshape(n, -1, 2, 1, 32)
+        low = (ql >> np.array([0, 4]).reshape(1, 1, 1, 2, 1)) & 15
+        high = (qh >> np.array([0, 2, 4, 6]).reshape(1, 1, 1, 4, 1)) & 3
+        q = low.reshape(n, -1, 8, 32) | (high.reshape(n, -1, 8, 32) << 4)
+        sc = sb[..., 192:208].copy().view(np.int8).astype(np.float32)
+        d = sb[..., 208:210].copy().view(np.float16).astype(np.float32)  # [n, S, 1]
+        return q.reshape(n, k) - 32, (d * sc).reshape(n, -1), None
     if qtype in K_QUANTS:
         sb = raw.reshape(n, k // 256, _SUPER_BYTES[qtype])
         d = sb[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
@@ -118,7 +132,7 @@ def _signed(q: np.ndarray, qtype: str) -> np.ndarray:
 
 def _dequantized(raw: np.ndarray, qtype: str, n: int, k: int) -> np.ndarray:
     q, d, m = _parts(raw, qtype, n, k)
-    w = np.repeat(d, 32, axis=1) * _signed(q, qtype).astype(np.float32)
+    w = np.repeat(d, k // d.shape[1], axis=1) * _signed(q, qtype).astype(np.float32)
     return w + np.repeat(m, 32, axis=1) if m is not None else w
 
 
@@ -136,17 +150,18 @@ def _q8_1(x: np.ndarray):  # noqa: ANN202
 
 def _restated(raw: np.ndarray, qtype: str, n: int, k: int, x: np.ndarray,
               bias: np.ndarray | None = None) -> np.ndarray:
-    """The kernel's stated float32 order: per block b, acc = acc + (dw * dx) * isum, then (the
-    types with a min) acc = acc + mw * sx; then + bias."""
+    """The kernel's stated float32 order: per block b (and, Q6_K, per 16 of it), acc = acc +
+    (dw * dx) * isum, then (the types with a min) acc = acc + mw * sx; then + bias."""
     q, d, m = _parts(raw, qtype, n, k)
     xq, xd, xs, _ = _q8_1(x)
-    nb = k // 32
-    isum = np.einsum("nbj,mbj->mnb", _signed(q, qtype).reshape(n, nb, 32),
-                     xq.reshape(-1, nb, 32))
+    nb, subs = k // 32, d.shape[1] // (k // 32)  # scales a block
+    isum = np.einsum("nbj,mbj->mnb", _signed(q, qtype).reshape(n, nb * subs, 32 // subs),
+                     xq.reshape(-1, nb * subs, 32 // subs))
     acc = np.zeros((x.shape[0], n), dtype=np.float32)
     for b in range(nb):
-        p = d[None, :, b] * xd[:, None, b]
-        acc = acc + p * isum[:, :, b].astype(np.float32)
+        for j in range(b * subs, (b + 1) * subs):
+            p = d[None, :, j] * xd[:, None, b]
+            acc = acc + p * isum[:, :, j].astype(np.float32)
         if m is not None:
             acc = acc + m[None, :, b] * xs[:, None, b]
     return acc + bias.astype(np.float32) if bias is not None else acc
@@ -159,14 +174,16 @@ def _within_accumulation_bound(y: np.ndarray, raw: np.ndarray, qtype: str, n: in
     q, d, m = _parts(raw, qtype, n, k)
     xq, xd, xs, _ = _q8_1(x)
     nb = k // 32
+    ns = d.shape[1]  # scaled sums: a block's, or Q6_K's two a block
     x_deq = (np.repeat(xd, 32, axis=1) * xq).astype(np.float64)
     exact = x_deq @ _dequantized(raw, qtype, n, k).astype(np.float64).T
-    terms = np.abs(np.einsum("nbj,mbj->mnb", _signed(q, qtype).reshape(n, nb, 32).astype(np.float64),
-                             xq.reshape(-1, nb, 32).astype(np.float64))
-                   * d[None].astype(np.float64) * xd[:, None].astype(np.float64)).sum(-1)
+    terms = np.abs(np.einsum("nbj,mbj->mnb", _signed(q, qtype).reshape(n, ns, k // ns)
+                             .astype(np.float64), xq.reshape(-1, ns, k // ns).astype(np.float64))
+                   * d[None].astype(np.float64)
+                   * np.repeat(xd, ns // nb, axis=1)[:, None].astype(np.float64)).sum(-1)
     if m is not None:
         terms = terms + np.abs(m[None].astype(np.float64) * xs[:, None].astype(np.float64)).sum(-1)
-    return bool((np.abs(y.astype(np.float64) - exact) <= (3 + 2 * nb) * 2.0**-24 * terms).all())
+    return bool((np.abs(y.astype(np.float64) - exact) <= (3 + 2 * ns) * 2.0**-24 * terms).all())
 
 
 def _run(qk, raw, qtype, n, k, x, bias=None, packed=None, threads=None):  # noqa: ANN001, ANN202
@@ -304,7 +321,7 @@ def test_twin_with_a_blocks_scale_ignored_fails(qk, qtype, rows):
     assert not _matches(_run(qk, raw, qtype, n, k, x, packed=packed), raw, qtype, n, k, x)
 
 
-@pytest.mark.parametrize("qtype", MIN_TYPES)
+@pytest.mark.parametrize("qtype", (*MIN_TYPES, "Q6_K"))  # Q6_K: its second scale
 @pytest.mark.parametrize("rows", [2, 20])
 def test_twin_with_a_blocks_min_ignored_fails(qk, qtype, rows):
     n, k = 16, _width(qtype, 96)
@@ -356,14 +373,15 @@ def test_packed_bytes_are_the_files_rearranged(qtype):
         padding = (groups * 8 - n) * raw.shape[1]
         assert sorted(packed.flatten().tolist()) == sorted(raw.flatten().tolist() + [0] * padding)
     # the legacy types' bytes, rearranged; a K-quant's f16 d, dmin and 6-bit scales and mins
-    # become float32 scale and min per 32 (Q4_K 18 -> 24 bytes per 32 weights, Q5_K 22 -> 28)
-    grown = {"Q4_K": 24 / 18, "Q5_K": 28 / 22}.get(qtype, 1)
+    # become float32 scale and min per 32 (Q4_K 18 -> 24 bytes per 32 weights, Q5_K 22 -> 28),
+    # Q6_K's f16 d and int8 scale per 16 two float32 scales and its 6 bits one byte (26.25 -> 40)
+    grown = {"Q4_K": 24 / 18, "Q5_K": 28 / 22, "Q6_K": 320 / 210}.get(qtype, 1)
     assert packed.numel() == pytest.approx(groups * 8 * raw.shape[1] * grown)
 
 
 def test_pack_rejects_other_types_and_partial_blocks():
-    with pytest.raises(ValueError, match="no quantized kernel for Q6_K"):
-        cpu_kernels.pack_quant_weight(np.zeros((1, 210), np.uint8), "Q6_K", 1, 256)
+    with pytest.raises(ValueError, match="no quantized kernel for Q3_K"):
+        cpu_kernels.pack_quant_weight(np.zeros((1, 110), np.uint8), "Q3_K", 1, 256)
     with pytest.raises(ValueError, match="not whole 32-weight blocks"):
         cpu_kernels.pack_quant_weight(np.zeros((1, 20), np.uint8), "Q4_1", 1, 48)
     with pytest.raises(ValueError, match="not whole 256-weight blocks"):

@@ -236,7 +236,7 @@ class EngineArgs:
     # vLLM's flag. None: "gguf" for a .gguf model generating on CPU where ingot's quantized
     # kernels serve it, else "none".
     quantization: str | None = field(default=None, metadata=cli(
-        "gguf: keep a GGUF model's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K weights quantized (CPU; "
+        "gguf: keep a GGUF model's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K weights quantized (CPU; "
         "the default for "
         "a .gguf model there); none: dequantize every weight at load (docs/configuration.md)",
         choices=QUANTIZATIONS))

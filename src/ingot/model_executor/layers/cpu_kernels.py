@@ -761,7 +761,7 @@ def bind_openmp_team(cpus: tuple[int, ...]) -> bool | None:
 
 # ---- GGUF-quantized weights (cpu_kernels_quant.c) ----------------------------------------------
 # Issue #33's kernels: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weights kept as the file's blocks, Q4_K /
-# Q5_K as per-32 blocks with float32 scales (repacked 8 rows interleaved), activations quantized
+# Q5_K / Q6_K as per-32 blocks with float32 scales (repacked 8 rows interleaved), activations quantized
 # per 32 to int8 (llama.cpp's Q8_1 scheme), integer dot products. The GGUF loader keeps those
 # types (loader/gguf_loader.py, layers/quantized.py); docs/features.md ("Quantized weights
 # (GGUF)") has the measurements.
@@ -776,20 +776,21 @@ _QUANT_EXTRA = {"avx512": (("f16c",), ("-mf16c",), ("avx512_vnni", "-mavx512vnni
                 "portable": ((), (), None)}
 #: Rows interleaved in a repacked group (QROWS in the C source).
 QUANT_GROUP_ROWS = 8
-#: GGUF type name -> (GGML type id, bytes of 32 weights in the file, bytes of one repacked
-#: (group, block): 8 rows' blocks). A K-quant's 32 weights are an eighth of its 256-weight
-#: super-block; repacked, each is a block of its own with float32 scale and min.
+#: GGUF type name -> (GGML type id, bytes of one block in the file: 32 weights, a K-quant's
+#: super-block 256, bytes of one repacked (group, block): 8 rows' 32 weights). Repacked, each
+#: 32 weights of a K-quant are a block of their own with float32 scales.
 QUANT_TYPES: dict[str, tuple[int, int, int]] = {
     "Q4_0": (2, 18, 144),
     "Q4_1": (3, 20, 160),
     "Q5_0": (6, 22, 176),
     "Q5_1": (7, 24, 192),
     "Q8_0": (8, 34, 272),
-    "Q4_K": (12, 18, 192),
-    "Q5_K": (13, 22, 224),
+    "Q4_K": (12, 144, 192),
+    "Q5_K": (13, 176, 224),
+    "Q6_K": (14, 210, 320),
 }
 #: The K-quants among them: 256-weight super-blocks in the file.
-K_QUANTS = ("Q4_K", "Q5_K")
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 
 
 class QuantKernels:
@@ -884,10 +885,13 @@ def pack_quant_weight(raw, qtype: str, n: int, k: int) -> torch.Tensor:  # noqa:
     if getattr(raw, "flags", None) is not None and not raw.flags.writeable:
         raw = raw.copy()  # numpy over a read-only map: torch wants memory it may write
     groups = -(-n // rows)
-    flat = torch.as_tensor(raw).view(torch.uint8).reshape(n, nb * block_bytes)
+    row_bytes = k // per * block_bytes
+    flat = torch.as_tensor(raw).view(torch.uint8).reshape(n, row_bytes)
     if groups * rows != n:
-        flat = torch.cat([flat, flat.new_zeros(groups * rows - n, nb * block_bytes)])
-    if qtype in K_QUANTS:
+        flat = torch.cat([flat, flat.new_zeros(groups * rows - n, row_bytes)])
+    if qtype == "Q6_K":
+        scales, mins, q = _q6_k_blocks(flat, groups * rows, k)  # mins: the second scales
+    elif qtype in K_QUANTS:
         scales, mins, q = _k_quant_blocks(flat, qtype, groups * rows, k)
     else:
         blocks = flat.view(groups * rows, nb, block_bytes)
@@ -910,7 +914,7 @@ def pack_quant_weight(raw, qtype: str, n: int, k: int) -> torch.Tensor:  # noqa:
     if mins is not None:
         parts.append(by_group(mins))
     q = q.reshape(groups, rows, nb, 32).transpose(1, 2)  # [G, nb, 8, 32]
-    if qtype == "Q8_0":  # weight 4c + j of row r -> chunk c, lane r, byte j
+    if qtype in ("Q8_0", "Q6_K"):  # weight 4c + j of row r -> chunk c, lane r, byte j
         parts.append(q.reshape(groups, nb, rows, 8, 4).transpose(2, 3).reshape(groups, nb, -1))
         return torch.cat(parts, -1).contiguous()
     # weight 8c + 4h + j of row r -> chunk c, lane r, byte j, low nibble (h 0) or high (h 1);
@@ -925,14 +929,33 @@ def pack_quant_weight(raw, qtype: str, n: int, k: int) -> torch.Tensor:  # noqa:
     return torch.cat(parts, -1).contiguous()
 
 
+def _q6_k_blocks(flat: torch.Tensor, n: int, k: int,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q6_K tensor's super-blocks ([N, K/256 * 210] uint8) as 32-weight blocks: (the float32
+    scale d * sc of the first 16 weights of each block and of the last 16, as bytes [N, K/32,
+    4] each, q - 32 as int8 bytes [N, K/32, 32]), as the gguf package dequantizes them: w =
+    (d * sc) (q - 32), q = 4 bits of ql and 2 of qh."""
+    sb = flat.view(n, k // 256, 210)
+    ql, qh = sb[..., :128].reshape(n, -1, 2, 1, 64), sb[..., 128:192].reshape(n, -1, 2, 1, 32)
+    sc = sb[..., 192:208].contiguous().view(torch.int8).float()  # [N, S, 16]
+    d = sb[..., 208:210].contiguous().view(torch.float16).float()
+    # weights 128h .. of a super-block: ql[64h:] low nibbles then high; qh[32h:] 2 bits each
+    low = (ql >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 1, 2, 1)) & 15
+    high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 4, 1)) & 3
+    q = (low.reshape(n, -1, 8, 32) | (high.reshape(n, -1, 8, 32) << 4)).to(torch.int16) - 32
+    scale = (d * sc).reshape(n, k // 32, 2)  # exact: 11 x 8 significant bits
+    return (scale[..., 0].contiguous().view(torch.uint8).reshape(n, k // 32, 4),
+            scale[..., 1].contiguous().view(torch.uint8).reshape(n, k // 32, 4),
+            q.to(torch.int8).view(torch.uint8).reshape(n, k // 32, 32))
+
+
 def _k_quant_blocks(flat: torch.Tensor, qtype: str, n: int, k: int,
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A K-quant tensor's super-blocks ([N, K/256 * bytes] uint8) as 32-weight blocks: (the
     float32 scale d * sc and min -(dmin * m) of each block as bytes [N, K/32, 4] each, the
     weights 0..15 or 0..31 [N, K/32, 32] uint8), as the gguf package dequantizes them: w =
     (d * sc) q - dmin m."""
-    size = 144 if qtype == "Q4_K" else 176
-    sb = flat.view(n, k // 256, size)
+    sb = flat.view(n, k // 256, QUANT_TYPES[qtype][1])
     d = sb[..., 0:2].contiguous().view(torch.float16).float()
     dmin = sb[..., 2:4].contiguous().view(torch.float16).float()
     sc_bytes = sb[..., 4:16]

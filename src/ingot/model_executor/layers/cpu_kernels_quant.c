@@ -13,6 +13,7 @@
  *   Q8_0 (272 B): d[8] f16 | qs[8][8 rows][4 int8]
  *   Q4_K (192 B): d[8] f32 | m[8] f32 | qs[4][8 rows][4 bytes]
  *   Q5_K (224 B): d[8] f32 | m[8] f32 | qh[8 rows][4 bytes] | qs[4][8 rows][4 bytes]
+ *   Q6_K (320 B): d[8] f32 (weights 0-15) | d2[8] f32 (16-31) | qs[8][8 rows][4 int8]
  * Chunk c, row r, byte j of qs: low nibble = weight 8c + j, high nibble = weight 8c + 4 + j, so
  * one 32-byte load gives every lane 4 weights of its row, as llama.cpp's repacked (8x8) layouts
  * do; a 5-bit weight's fifth bit is bit 2c (low nibble) or 2c + 1 (high) of byte j of its row's
@@ -20,7 +21,9 @@
  * file size. A K-quant's 256-weight super-block (f16 d and dmin, 6-bit scale and min per 32)
  * becomes 8 blocks with d = d * scale and m = -(dmin * min) in float32 (both products exact),
  * so its blocks take the Q4_1 / Q5_1 arithmetic; resident is 4/3 (Q4_K) and 14/11 (Q5_K) of
- * the file. Rows past N (the last group's padding) are zero blocks.
+ * the file. Q6_K's super-block (f16 d, an int8 scale per 16, 6-bit q - 32) becomes 8 blocks of
+ * Q8_0's shape (q - 32 as int8) with two float32 scales d * sc, one per 16 weights (exact):
+ * 320 bytes where the file has 210. Rows past N (the last group's padding) are zero blocks.
  *
  * Activations: quantized per row and per 32 (llama.cpp's Q8_1 scheme) by
  * ingot_quantize_q8_1: amax = max |x|, d = amax / 127, q = nearest-even(x * (127 / amax))
@@ -33,6 +36,7 @@
  *                                                       Q4_0: sum (q - 8) qx = isum - 8 sum,
  *                                                       Q5_0: isum - 16 sum)
  *   with a min (Q4_1, Q5_1, Q4_K, Q5_K):  acc = acc + mw * sx
+ *   Q6_K: the first 16 weights' sum with dw, then acc = acc + (dw2 * dx) * isum2 (the rest)
  * then + bias[n] where a bias is given. Rows are independent, so a row's result is the same
  * alone or batched, and whatever the thread count. */
 #include <math.h>
@@ -47,17 +51,19 @@
 #define QM 4 /* activation rows per tile: 4 accumulators + 4 integer sums fit the 16 ymm */
 #define QPREFETCH_BYTES 2048
 enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q5_0 = 6, QT_Q5_1 = 7, QT_Q8_0 = 8, QT_Q4_K = 12,
-       QT_Q5_K = 13 }; /* GGML type ids */
+       QT_Q5_K = 13, QT_Q6_K = 14 }; /* GGML type ids */
 /* A type's block layout (constants where QT is: every kernel is specialised per type) */
-#define QT_F32(QT) ((QT) == QT_Q4_K || (QT) == QT_Q5_K) /* float32 scales and mins */
-#define QT_MIN(QT) ((QT) == QT_Q4_1 || (QT) == QT_Q5_1 || QT_F32(QT))
+#define QT_F32(QT) ((QT) == QT_Q4_K || (QT) == QT_Q5_K || (QT) == QT_Q6_K) /* float32 scales */
+#define QT_HALVES(QT) ((QT) == QT_Q6_K) /* a second scale for weights 16-31, after the first */
+#define QT_BYTES(QT) ((QT) == QT_Q8_0 || (QT) == QT_Q6_K)      /* int8 weights, not nibbles */
+#define QT_MIN(QT) ((QT) == QT_Q4_1 || (QT) == QT_Q5_1 || (QT) == QT_Q4_K || (QT) == QT_Q5_K)
 #define QT_HIGH(QT) ((QT) == QT_Q5_0 || (QT) == QT_Q5_1 || (QT) == QT_Q5_K) /* 5-bit */
 #define QT_OFFSET(QT) ((QT) == QT_Q4_0 ? 8 : (QT) == QT_Q5_0 ? 16 : 0)   /* q stored + offset */
 #define QT_SCALES(QT) (QT_F32(QT) ? 32 : 16)                 /* bytes of 8 scales */
-#define QT_HIGH_AT(QT) (QT_SCALES(QT) * (QT_MIN(QT) ? 2 : 1)) /* qh after scales (and mins) */
+#define QT_HIGH_AT(QT) (QT_SCALES(QT) * (QT_MIN(QT) || QT_HALVES(QT) ? 2 : 1)) /* after scales */
 #define QT_QS_AT(QT) (QT_HIGH_AT(QT) + (QT_HIGH(QT) ? 32 : 0))
 #define QT_KNOWN(QT) ((QT) == QT_Q4_0 || (QT) == QT_Q4_1 || (QT) == QT_Q5_0 || (QT) == QT_Q5_1 || \
-                      (QT) == QT_Q8_0 || (QT) == QT_Q4_K || (QT) == QT_Q5_K)
+                      (QT) == QT_Q8_0 || (QT) == QT_Q4_K || (QT) == QT_Q5_K || (QT) == QT_Q6_K)
 
 /* The 8 rows' scales (or mins) of a block at p, as float32 */
 INL vqf qt_scales(const int QT, const uint8_t *p) {
@@ -70,7 +76,7 @@ int ingot_quant_dot_kind(void) { return VQ_DOT_KIND; }
 /* Bytes of one (group, block): 8 rows x 32 weights. 0 for a type this library does not take. */
 int64_t ingot_quant_group_bytes(int qtype) {
     if (!QT_KNOWN(qtype)) return 0;
-    return QT_QS_AT(qtype) + (qtype == QT_Q8_0 ? 256 : 128);
+    return QT_QS_AT(qtype) + (QT_BYTES(qtype) ? 256 : 128);
 }
 
 /* x [M, K] (float32, or bf16 where x_bf16) -> per block of 32: xq int8 [M, K], d, s = d * sum,
@@ -116,16 +122,21 @@ INL void qtile(const int QT, const int mt, const uint8_t *g, int64_t nb, int64_t
         const uint8_t *gb = g + b * GB;
         if (prefetch) vprefetch(gb + QPREFETCH_BYTES), vprefetch(gb + QPREFETCH_BYTES + 64),
                       vprefetch(gb + QPREFETCH_BYTES + 128), vprefetch(gb + QPREFETCH_BYTES + 192);
-        vq isum[QM];
+        vq isum[QM], isum2[QM];
         for (int t = 0; t < mt; t++) isum[t] = vq_set1(0);
+        if (QT_HALVES(QT))
+            for (int t = 0; t < mt; t++) isum2[t] = vq_set1(0);
         /* The chunk loops stay rolled (GCC otherwise computes every product of the block
            before summing, and the 4-row tiles spill to the stack). */
-        if (QT == QT_Q8_0) {
+        if (QT_BYTES(QT)) {
 #pragma GCC unroll 2
             for (int c = 0; c < 8; c++) {
-                const vq w = vq_load(gb + 16 + 32 * c);
-                for (int t = 0; t < mt; t++)
-                    isum[t] = vq_dot_s8s8(isum[t], w, vq_bcast4(xq + t * K + 32 * b + 4 * c));
+                const vq w = vq_load(gb + QT_QS_AT(QT) + 32 * c);
+                for (int t = 0; t < mt; t++) {
+                    const vq x4 = vq_bcast4(xq + t * K + 32 * b + 4 * c);
+                    if (QT_HALVES(QT) && c >= 4) isum2[t] = vq_dot_s8s8(isum2[t], w, x4);
+                    else isum[t] = vq_dot_s8s8(isum[t], w, x4);
+                }
             }
         } else {
             const uint8_t *qs = gb + QT_QS_AT(QT);
@@ -171,6 +182,12 @@ INL void qtile(const int QT, const int mt, const uint8_t *g, int64_t nb, int64_t
             vq s = isum[t];
             if (QT_OFFSET(QT)) s = vq_sub(s, vq_set1(QT_OFFSET(QT) * xsum[xb]));
             acc[t] = vqf_add(acc[t], vqf_mul(vqf_mul(dw, vqf_set1(xd[xb])), vq_tofloat(s)));
+        }
+        if (QT_HALVES(QT)) {
+            const vqf dw2 = qt_scales(QT, gb + QT_SCALES(QT));
+            for (int t = 0; t < mt; t++)
+                acc[t] = vqf_add(acc[t], vqf_mul(vqf_mul(dw2, vqf_set1(xd[t * (K / 32) + b])),
+                                                 vq_tofloat(isum2[t])));
         }
         if (QT_MIN(QT)) {
             const vqf mw = qt_scales(QT, gb + QT_SCALES(QT));
@@ -219,6 +236,7 @@ int ingot_quant_matmul(int qtype, const int8_t *xq, const float *xd, const float
             case QT_Q5_1: QTILE_CASES(QT_Q5_1) break;
             case QT_Q4_K: QTILE_CASES(QT_Q4_K) break;
             case QT_Q5_K: QTILE_CASES(QT_Q5_K) break;
+            case QT_Q6_K: QTILE_CASES(QT_Q6_K) break;
             default: QTILE_CASES(QT_Q8_0) break;
             }
             for (int t = 0; t < mt; t++) {
@@ -428,7 +446,8 @@ int ingot_quant_linear(int qtype, const void *x, int x_bf16, const uint8_t *w, c
                        void *y, int y_bf16, int64_t M, int64_t N, int64_t K, int nthreads) {
     if (ingot_quant_group_bytes(qtype) == 0) return -1;
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
-    const int amx = amx_min_rows > 0 && M >= amx_min_rows;
+    /* (Q6_K's two scales a block take the integer dots at every row count) */
+    const int amx = amx_min_rows > 0 && M >= amx_min_rows && qtype != QT_Q6_K;
 #else
     const int amx = 0;
 #endif
@@ -461,10 +480,10 @@ int ingot_quant_linear(int qtype, const void *x, int x_bf16, const uint8_t *w, c
    prefill's time on AMX). QT is a constant at each call (specialised). */
 INL void dequantize_lane(const int QT, const uint8_t *gb, int64_t r, void *y, int y_bf16,
                          int64_t at) {
-    float sd, sm = 0.0f;
+    float sd, sm = 0.0f; /* sm: the min, or Q6_K's second scale */
     if (QT_F32(QT)) {
         memcpy(&sd, gb + 4 * r, 4);
-        if (QT_MIN(QT)) memcpy(&sm, gb + 32 + 4 * r, 4);
+        if (QT_MIN(QT) || QT_HALVES(QT)) memcpy(&sm, gb + 32 + 4 * r, 4);
     } else {
         uint16_t h;
         memcpy(&h, gb + 2 * r, 2);
@@ -476,8 +495,8 @@ INL void dequantize_lane(const int QT, const uint8_t *gb, int64_t r, void *y, in
     }
     const vf d = vset1(sd), m = vset1(sm);
     uint8_t q[32] __attribute__((aligned(32)));
-    if (QT == QT_Q8_0) {
-        for (int c = 0; c < 8; c++) memcpy(q + 4 * c, gb + 16 + 32 * c + 4 * r, 4);
+    if (QT_BYTES(QT)) {
+        for (int c = 0; c < 8; c++) memcpy(q + 4 * c, gb + QT_QS_AT(QT) + 32 * c + 4 * r, 4);
     } else {
         const uint8_t *qs = gb + QT_QS_AT(QT);
         uint32_t qh = 0;
@@ -493,9 +512,9 @@ INL void dequantize_lane(const int QT, const uint8_t *gb, int64_t r, void *y, in
         }
     }
     for (int i = 0; i < 32; i += VL) {
-        vf v = QT == QT_Q8_0 ? vload_s8((const int8_t *)q + i) : vload_u8(q + i);
+        vf v = QT_BYTES(QT) ? vload_s8((const int8_t *)q + i) : vload_u8(q + i);
         if (QT_OFFSET(QT)) v = vsub(v, vset1((float)QT_OFFSET(QT))); /* exact: small integers */
-        v = vmul(d, v);
+        v = vmul(QT_HALVES(QT) && i >= 16 ? m : d, v);
         if (QT_MIN(QT)) v = vadd(v, m);
         if (y_bf16) vstore_bf16_part((uint16_t *)y + at + i, vround_bf16(v), VL);
         else vstore((float *)y + at + i, v);
@@ -510,6 +529,7 @@ INL void dequantize_lane(const int QT, const uint8_t *gb, int64_t r, void *y, in
     case QT_Q5_1: dequantize_lane(QT_Q5_1, __VA_ARGS__); break;                                \
     case QT_Q4_K: dequantize_lane(QT_Q4_K, __VA_ARGS__); break;                                \
     case QT_Q5_K: dequantize_lane(QT_Q5_K, __VA_ARGS__); break;                                \
+    case QT_Q6_K: dequantize_lane(QT_Q6_K, __VA_ARGS__); break;                                \
     default: dequantize_lane(QT_Q8_0, __VA_ARGS__); break;                                     \
     }
 

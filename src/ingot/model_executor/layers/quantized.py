@@ -3,7 +3,7 @@ tensor and how a layer's parameter holds it until binding (the embedding looks r
 packed blocks with the quantized kernels' ``quant_dequantize_rows``).
 
 The loader (loader/gguf_loader.py) decides once per tensor which weights stay as the file's
-blocks (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K linears and the token embedding / LM head) and yields a
+blocks (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K linears and the token embedding / LM head) and yields a
 :class:`QuantizedWeight` for each; the layers' weight loaders park it on their parameter
 (:func:`keep_quantized`, the plain values are released at once) and the binding step packs it
 for the quantized kernels (:func:`packed_weight`, cpu_kernels.py's ``pack_quant_weight``). A
