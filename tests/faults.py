@@ -102,6 +102,20 @@ def gguf_dequant_wrong(mp: pytest.MonkeyPatch, nth: int = 3, scale: float = 0.5)
 
 
 @_fault
+def quant_shard_swapped(mp: pytest.MonkeyPatch) -> None:
+    """A row-parallel rank's GGUF blocks kept quantized are the next rank's columns (the wrong
+    input shard of every such weight)."""
+    from ingot.model_executor.layers.quantized import QuantizedWeight
+
+    shard = QuantizedWeight.column_shard
+
+    def swapped(self: QuantizedWeight, index: int, num_shards: int) -> QuantizedWeight:
+        return shard(self, (index + 1) % num_shards, num_shards)
+
+    mp.setattr(QuantizedWeight, "column_shard", swapped)
+
+
+@_fault
 def batch_dependent(mp: pytest.MonkeyPatch, alpha: float = 0.05) -> None:
     """A row's hidden state before the LM head moves by ``alpha`` x (rows sampled - 1) along a
     fixed direction: alone it is exact, in a batch it depends on its neighbours' count."""

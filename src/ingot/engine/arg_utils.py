@@ -405,7 +405,7 @@ class EngineArgs:
         compilation = self._compilation_config(platform.name, buckets, runner, encoder_only,
                                                speculative is not None, tp,
                                                getattr(model_cls, "eager_only", None))
-        quantization = self._quantization(path, fmt, platform, dtype, tp, compilation.enabled,
+        quantization = self._quantization(path, fmt, platform, dtype, compilation.enabled,
                                           runner)
         prefills = self._max_prefills(additional_config, compilation,
                                       self.max_num_seqs if encoder_only else None)
@@ -533,7 +533,7 @@ class EngineArgs:
             speculative_config=speculative,
         )
 
-    def _quantization(self, path: str, fmt: str, platform: Any, dtype: torch.dtype, tp: int,
+    def _quantization(self, path: str, fmt: str, platform: Any, dtype: torch.dtype,
                       compiled: bool, runner: str) -> str:
         """--quantization resolved: "gguf" (a GGUF's quantized weights stay quantized) where
         ingot's quantized kernels can serve the model, else "none"; asking for "gguf" where
@@ -551,8 +551,6 @@ class EngineArgs:
         if platform.device_type != "cpu":
             why_not = (f"ingot's quantized kernels run on CPU only ({platform.name} dequantizes "
                        "GGUF weights at load)")
-        elif tp > 1:
-            why_not = "weights kept quantized are not split over tensor-parallel ranks yet"
         elif compiled:
             why_not = "compiled layers run on dequantized weights"
         elif dtype not in (torch.bfloat16, torch.float32):

@@ -291,12 +291,18 @@ class QKVLinear(MergedLinear):
 
 def shard_of(loaded: torch.Tensor | QuantizedWeight, dim: int, index: int,
              num_shards: int) -> torch.Tensor | QuantizedWeight:
-    """Shard ``index`` of ``num_shards`` equal slices of ``loaded`` along ``dim`` (a view)."""
+    """Shard ``index`` of ``num_shards`` equal slices of ``loaded`` along ``dim`` (a view; GGUF
+    blocks kept quantized: their rows, or whole blocks of every row's weights)."""
     if isinstance(loaded, QuantizedWeight):
         if num_shards == 1:
             return loaded
-        raise ValueError("GGUF weights kept quantized are not split over tensor-parallel ranks "
-                         "yet: load the model with --quantization none")
+        if dim == 1:
+            return loaded.column_shard(index, num_shards)
+        if loaded.rows % num_shards:
+            raise ValueError(f"a {loaded.qtype} checkpoint tensor of {loaded.rows} rows does "
+                             f"not split into {num_shards} equal shards")
+        step = loaded.rows // num_shards
+        return loaded.row_slice(index * step, step)
     size = loaded.shape[dim]
     if size % num_shards:
         raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)}: dim {dim} does not "
@@ -394,8 +400,8 @@ class MergedColumnParallelLinear(MergedLinear):
             return
         i = self._shard_index(shard_id)
         index, count = self._source_shard(i)
-        if isinstance(loaded_weight, QuantizedWeight) and (index, count) == (0, 1):
-            keep_quantized(param, loaded_weight, self.shard_offsets[i])
+        if isinstance(loaded_weight, QuantizedWeight):
+            keep_quantized(param, shard_of(loaded_weight, 0, index, count), self.shard_offsets[i])
             return
         rows = param.data.narrow(0, self.shard_offsets[i], self.output_sizes[i])
         default_weight_loader(rows, shard_of(loaded_weight, 0, index, count))

@@ -20,6 +20,8 @@ import torch
 from torch import nn
 
 from ingot.model_executor.layers.cpu_kernels import (
+    K_QUANTS,
+    QUANT_TYPES,
     pack_quant_weight,
 )
 
@@ -37,6 +39,31 @@ class QuantizedWeight:
     @property
     def rows(self) -> int:
         return self.raw.shape[0]
+
+    def row_slice(self, start: int, count: int, padded: int | None = None) -> QuantizedWeight:
+        """Rows ``start .. start + count`` (a tensor-parallel rank's output rows, a vocab
+        shard), then zero rows (zero blocks: weights 0) up to ``padded`` rows."""
+        raw = self.raw[start:start + count]
+        if padded is not None and padded > count:
+            raw = torch.cat([raw, raw.new_zeros(padded - count, raw.shape[1])])
+        return QuantizedWeight(raw, self.qtype, self.in_features)
+
+    def column_shard(self, index: int, num_shards: int) -> QuantizedWeight:
+        """Shard ``index`` of ``num_shards`` equal slices of every row's weights (a row-parallel
+        rank's input columns): whole blocks of the file, so each keeps its scales; a split
+        inside a block (32 weights, a K-quant's 256) is an error that says what to change."""
+        _, block_bytes, _ = QUANT_TYPES[self.qtype]
+        per = 256 if self.qtype in K_QUANTS else 32
+        width = self.in_features // num_shards
+        if self.in_features % num_shards or width % per:
+            raise ValueError(
+                f"a {self.qtype} weight's rows of {self.in_features} do not split into "
+                f"{num_shards} tensor-parallel shards of whole {per}-weight blocks; serve this "
+                "model with --quantization none or another --tensor-parallel-size")
+        blocks = self.raw.view(self.rows, -1, block_bytes)
+        step = width // per
+        raw = blocks[:, index * step:(index + 1) * step].reshape(self.rows, -1)
+        return QuantizedWeight(raw, self.qtype, width)
 
 
 @dataclass(eq=False)

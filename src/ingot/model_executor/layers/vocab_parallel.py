@@ -19,7 +19,12 @@ from ingot.distributed.sequence_parallel import reduce_partial
 from ingot.model_executor.layers.bindable import KernelBindable, Kernels
 from ingot.model_executor.layers.cpu_kernels import QuantKernels, quant_dequantize_rows
 from ingot.model_executor.layers.linear import LinearBase, default_weight_loader
-from ingot.model_executor.layers.quantized import packed_weight, quantized_parts
+from ingot.model_executor.layers.quantized import (
+    QuantizedWeight,
+    keep_quantized,
+    packed_weight,
+    quantized_parts,
+)
 
 
 def vocab_shard_range(vocab_size: int, tp: int, rank: int) -> tuple[int, int, int]:
@@ -29,7 +34,14 @@ def vocab_shard_range(vocab_size: int, tp: int, rank: int) -> tuple[int, int, in
     return start, per, max(0, min(per, vocab_size - start))
 
 
-def _load_vocab_shard(param: nn.Parameter, loaded: torch.Tensor, start: int, real: int) -> None:
+def _load_vocab_shard(param: nn.Parameter, loaded: torch.Tensor | QuantizedWeight, start: int,
+                      real: int) -> None:
+    if isinstance(loaded, QuantizedWeight):  # the shard's rows, zero blocks past the vocab
+        if loaded.in_features != param.shape[1]:
+            raise ValueError(f"a {loaded.qtype} checkpoint tensor of rows of "
+                             f"{loaded.in_features}, the model expects rows of {param.shape[1]}")
+        keep_quantized(param, loaded.row_slice(start, real, param.shape[0]))
+        return
     if param.shape[1:] != loaded.shape[1:]:
         raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, the model "
                          f"expects rows of {tuple(param.shape[1:])}")
@@ -73,14 +85,18 @@ class VocabParallelEmbedding(KernelBindable, nn.Embedding):
         _load_vocab_shard(param, loaded, self.vocab_start, self.num_real)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.quant_weight is not None:  # one rank: quantized tables are not sharded
+        if self.quant_weight is not None and self.tp_size == 1:
             return quant_dequantize_rows(self.quant_kernels, self.quant_weight, self.quant_type,
                                          input_ids, self.weight.dtype)
         if self.tp_size == 1:
             return super().forward(input_ids)
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.num_real)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        if self.quant_weight is not None:  # this rank's vocab shard of the packed blocks
+            out = quant_dequantize_rows(self.quant_kernels, self.quant_weight, self.quant_type,
+                                        local.masked_fill(outside, 0), self.weight.dtype)
+        else:
+            out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out.masked_fill_(outside.unsqueeze(-1), 0)
         return reduce_partial(out, self.tp_group)  # SP prefill: this rank's rows
 
