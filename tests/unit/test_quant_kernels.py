@@ -499,3 +499,41 @@ def test_amx_switch_takes_auto_and_off(monkeypatch):
     monkeypatch.setenv("INGOT_CPU_QUANT_AMX", "yes")
     with pytest.raises(ValueError, match="INGOT_CPU_QUANT_AMX must be auto or off"):
         cpu_kernels.quant_amx_rows()
+
+
+# ---- tensor-parallel shards of a kept weight (layers/quantized.py) ----------------------------
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_column_shards_are_whole_blocks_of_every_row(qk, qtype):
+    """A row-parallel rank's shard of the blocks multiplies its half of the input: the two
+    ranks' partial products add up to the whole weight's (the restated kernel per shard)."""
+    from ingot.model_executor.layers.quantized import QuantizedWeight
+
+    n, k = 16, _width(qtype, 128) * 2
+    raw = _weights(qtype, n, k, seed=11)
+    weight = QuantizedWeight(torch.from_numpy(raw), qtype, k)
+    x = np.random.default_rng(11).standard_normal((3, k)).astype(np.float32)
+    halves = [weight.column_shard(i, 2) for i in (0, 1)]
+    assert [h.in_features for h in halves] == [k // 2, k // 2]
+    for i, half in enumerate(halves):
+        xs = x[:, i * k // 2:(i + 1) * k // 2]
+        got = _run(qk, half.raw.numpy(), qtype, n, k // 2, xs)
+        assert np.array_equal(got, _restated(half.raw.numpy(), qtype, n, k // 2, xs))
+    whole = _dequantized(raw, qtype, n, k)
+    parts = [_dequantized(h.raw.numpy(), qtype, n, k // 2) for h in halves]
+    assert np.array_equal(np.concatenate(parts, axis=1), whole)
+    # Broken twin: the shards in the other order are not the weight's columns.
+    assert not np.array_equal(np.concatenate(parts[::-1], axis=1), whole)
+
+
+def test_a_split_inside_a_block_is_refused():
+    from ingot.model_executor.layers.quantized import QuantizedWeight
+
+    weight = QuantizedWeight(torch.zeros(4, 3 * 18, dtype=torch.uint8), "Q4_0", 96)
+    with pytest.raises(ValueError, match="do not split into 2 tensor-parallel shards of whole "
+                                         "32-weight blocks; serve this model with "
+                                         "--quantization none"):
+        weight.column_shard(0, 2)
+    k_quant = QuantizedWeight(torch.zeros(4, 2 * 144, dtype=torch.uint8), "Q4_K", 512)
+    with pytest.raises(ValueError, match="whole 256-weight blocks"):
+        k_quant.column_shard(0, 4)
