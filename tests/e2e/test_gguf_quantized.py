@@ -99,19 +99,20 @@ def test_quantized_weights_pass_the_accuracy_gate_and_broken_twins_fail(f32_engi
     linears = _quantized_linears(quant)
     assert {lin.quant_type for lin in linears} == {"Q4_1", "Q8_0"}
     saved = [lin.quant_weight.clone() for lin in linears]
+    few, few_reference = windows[:2], reference[:2 * (WINDOW - 1)]  # ~1,000 positions to fail
     try:
         # (a) every Q4_1 block's min read as 0 (the mins follow the 8 rows' f16 scales)
         for lin in linears:
             if lin.quant_type == "Q4_1":
                 lin.quant_weight[..., 16:32] = 0
-        broken = _gate(reference, _logits(quant, windows))
+        broken = _gate(few_reference, _logits(quant, few))
         assert broken[0] < TOP1_AGREEMENT or broken[1] > MEAN_KL_NATS, broken
         for lin, weight in zip(linears, saved, strict=True):
             lin.quant_weight.copy_(weight)
         # (b) rows packed out of order: each linear's first two groups of 8 rows swapped
         for lin in linears:
             lin.quant_weight[[0, 1]] = lin.quant_weight[[1, 0]]
-        broken = _gate(reference, _logits(quant, windows))
+        broken = _gate(few_reference, _logits(quant, few))
         assert broken[0] < TOP1_AGREEMENT or broken[1] > MEAN_KL_NATS, broken
     finally:
         for lin, weight in zip(linears, saved, strict=True):
@@ -238,8 +239,8 @@ def test_every_other_type_passes_the_accuracy_gate_and_broken_twins_fail(default
     Measured over the 2,495 positions on the Xeon with AMX: this file 97.39% top-1, mean KL
     0.0035 nats (the Q4_1 file there: 97.19%, 0.0032). The quantized engine gives the same bits
     on every CPU in float32, its float32 reference does not, so the near-ties move with the CPU
-    and the top-1 bound here is 96%. One type at a time against its own file (the other linears one 5-bit type, or all Q4_0, ffn_down the K-quant): Q5_0 with Q4_K
-    96.39%, 0.0034; Q5_1 with Q5_K 96.75%, 0.0037; Q4_0 with Q6_K 97.56%, 0.0035; all Q5_0
+    and the top-1 bound here is 96%. One type at a time against its own file (the other
+    linears one 5-bit type, or all Q4_0, ffn_down the K-quant): Q5_0 with Q4_K 96.39%, 0.0034; Q5_1 with Q5_K 96.75%, 0.0037; Q4_0 with Q6_K 97.56%, 0.0035; all Q5_0
     96.63%, 0.0033; all Q5_1 96.95%, 0.0036: the KL is the Q4_1 file's (0.0031) and within the
     issue's 0.01, and top-1 moves by a few tenths with where the near-ties fall (the
     disagreement is the activations' int8 rounding, as for Q4_1)."""
@@ -260,7 +261,7 @@ def test_every_other_type_passes_the_accuracy_gate_and_broken_twins_fail(default
         print(f"mixed types: gguf vs none (float32): top-1 agreement {agree:.4f}, "
               f"mean KL {kl:.5f}")
         assert agree >= OTHER_TYPES_TOP1 and kl <= MEAN_KL_NATS, (agree, kl)
-        few, few_reference = windows[:2], reference[:2 * (WINDOW - 1)]
+        few, few_reference = windows[:2], reference[:2 * (WINDOW - 1)]  # ~1,000 positions to fail
         saved = [lin.quant_weight.clone() for lin in linears]
         twins = {  # what each twin does to a linear of the named types
             "fifth bits": {"Q5_0": lambda w: w[..., 16:48].zero_(),
