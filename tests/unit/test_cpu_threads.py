@@ -442,3 +442,32 @@ def test_per_rank_bind_lists_vllm_form() -> None:
         rank_bind_lists("0-1|1-2", 2, "VLLM_CPU_OMP_THREADS_BIND")
     with pytest.raises(ValueError, match="is not a CPU list"):
         rank_bind_lists("0|a", 2, "X")
+
+
+def test_prefill_steps_run_at_the_plans_threads_while_decode_adapts() -> None:
+    """oneDNN's GEMMs (prefill) give other bits at another thread count: a lowered controller
+    still runs prefill at the plan's count (then returns to its own); decode keeps its count.
+    Twin: without the rule, the prefill step would have run at the lowered count."""
+    import torch
+
+    from ingot.platforms.cpu_threads import CpuThreads
+
+    class SO:
+        def __init__(self, prefill: bool) -> None:
+            self.is_prefill, self.is_empty = prefill, False
+            self.total_num_scheduled_tokens, self.num_padded = 8, 8
+
+    plan = plan_threads(TWO, {"OMP_NUM_THREADS": "2"})
+    controller = AdaptiveThreads(2, (0, 1), set_threads=torch.set_num_threads)
+    controller.current = 1  # lowered while another process used the CPUs
+    threads = CpuThreads(plan, controller)
+    before = torch.get_num_threads()
+    try:
+        threads.ensure_thread()
+        seen = []
+        threads.execute(lambda so: seen.append(torch.get_num_threads()), SO(True))
+        after_prefill = torch.get_num_threads()
+        threads.execute(lambda so: seen.append(torch.get_num_threads()), SO(False))
+        assert seen == [2, 1] and after_prefill == 1
+    finally:
+        torch.set_num_threads(before)

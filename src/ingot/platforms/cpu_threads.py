@@ -371,6 +371,19 @@ class CpuThreads:
         self.ensure_thread()
         if self.controller is None or scheduler_output.is_empty:
             return fn(scheduler_output)
+        if scheduler_output.is_prefill and self.controller.current != self.plan.threads:
+            # Prefill runs oneDNN's GEMMs (a GGUF's dense prefill on AMX among them), whose bits
+            # depend on the thread count: at the plan's count always, a prompt's KV cache (so
+            # every token after it) does not depend on the machine's load (seen: greedy tokens
+            # of one prompt at 1 and 2 threads differed; n-gram speculation then failed its
+            # equality with plain decoding under a CPU hog).
+            import torch
+
+            torch.set_num_threads(self.plan.threads)
+            try:
+                return fn(scheduler_output)
+            finally:
+                torch.set_num_threads(self.controller.current)
         start = time.perf_counter()
         out = fn(scheduler_output)
         self.controller.observe(step_key(scheduler_output), time.perf_counter() - start)
