@@ -309,41 +309,39 @@ def _set_scale(packed: torch.Tensor, qtype: str, group: int, block: int, row: in
         np.array([value], dtype=dtype).view(np.uint8).copy())
 
 
+def _twin_fails(qk, qtype: str, rows: int, seed: int, breaks) -> None:  # noqa: ANN001
+    """The kernel matches its restatement on fresh packed weights, and no longer does once
+    ``breaks(packed)`` has damaged them."""
+    n, k = 16, _width(qtype, 96)
+    raw = _weights(qtype, n, k, seed=seed)
+    x = np.random.default_rng(seed).standard_normal((rows, k)).astype(np.float32)
+    packed = cpu_kernels.pack_quant_weight(raw, qtype, n, k)
+    assert _matches(_run(qk, raw, qtype, n, k, x, packed=packed), raw, qtype, n, k, x)
+    breaks(packed)
+    assert not _matches(_run(qk, raw, qtype, n, k, x, packed=packed), raw, qtype, n, k, x)
+
+
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("rows", [2, 20])  # 20: the AMX tiles where the build has them
 def test_twin_with_a_blocks_scale_ignored_fails(qk, qtype, rows):
-    n, k = 16, _width(qtype, 96)
-    raw = _weights(qtype, n, k, seed=3)
-    x = np.random.default_rng(3).standard_normal((rows, k)).astype(np.float32)
-    packed = cpu_kernels.pack_quant_weight(raw, qtype, n, k)
-    assert _matches(_run(qk, raw, qtype, n, k, x, packed=packed), raw, qtype, n, k, x)
-    _set_scale(packed, qtype, 1, 2, 5, 1.0)  # row 13, block 2: scale read as 1
-    assert not _matches(_run(qk, raw, qtype, n, k, x, packed=packed), raw, qtype, n, k, x)
+    # row 13, block 2: scale read as 1
+    _twin_fails(qk, qtype, rows, 3, lambda packed: _set_scale(packed, qtype, 1, 2, 5, 1.0))
 
 
 @pytest.mark.parametrize("qtype", (*MIN_TYPES, "Q6_K"))  # Q6_K: its second scale
 @pytest.mark.parametrize("rows", [2, 20])
 def test_twin_with_a_blocks_min_ignored_fails(qk, qtype, rows):
-    n, k = 16, _width(qtype, 96)
-    raw = _weights(qtype, n, k, seed=4)
-    x = np.random.default_rng(4).standard_normal((rows, k)).astype(np.float32)
-    packed = cpu_kernels.pack_quant_weight(raw, qtype, n, k)
-    assert _matches(_run(qk, raw, qtype, n, k, x, packed=packed), raw, qtype, n, k, x)
-    _set_scale(packed, qtype, 0, 1, 3, 0.0, mins=True)  # row 3, block 1: min dropped
-    assert not _matches(_run(qk, raw, qtype, n, k, x, packed=packed), raw, qtype, n, k, x)
+    # row 3, block 1: min dropped
+    _twin_fails(qk, qtype, rows, 4,
+                lambda packed: _set_scale(packed, qtype, 0, 1, 3, 0.0, mins=True))
 
 
 @pytest.mark.parametrize("qtype", FIVE_BIT)
 @pytest.mark.parametrize("rows", [2, 20])
 def test_twin_with_the_fifth_bits_ignored_fails(qk, qtype, rows):
-    n, k = 16, _width(qtype, 96)
-    raw = _weights(qtype, n, k, seed=8)
-    x = np.random.default_rng(8).standard_normal((rows, k)).astype(np.float32)
-    packed = cpu_kernels.pack_quant_weight(raw, qtype, n, k)
-    assert _matches(_run(qk, raw, qtype, n, k, x, packed=packed), raw, qtype, n, k, x)
     at = (2 if qtype in MIN_TYPES else 1) * (32 if qtype in K_QUANTS else 16)
-    packed[:, 1, at:at + 32] = 0  # block 1 of every row: weights read as 4-bit
-    assert not _matches(_run(qk, raw, qtype, n, k, x, packed=packed), raw, qtype, n, k, x)
+    # block 1 of every row: weights read as 4-bit
+    _twin_fails(qk, qtype, rows, 8, lambda packed: packed[:, 1, at:at + 32].zero_())
 
 
 @pytest.mark.parametrize("qtype", QTYPES)

@@ -791,6 +791,13 @@ QUANT_TYPES: dict[str, tuple[int, int, int]] = {
 }
 #: The K-quants among them: 256-weight super-blocks in the file.
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+#: The 5-bit types among them: a fifth bit per weight beside the nibbles.
+FIVE_BIT = ("Q5_0", "Q5_1", "Q5_K")
+
+
+def quant_block_weights(qtype: str) -> int:
+    """Weights of one block of ``qtype`` in the file (whole ones of them make a row)."""
+    return 256 if qtype in K_QUANTS else 32
 
 
 class QuantKernels:
@@ -877,7 +884,7 @@ def pack_quant_weight(raw, qtype: str, n: int, k: int) -> torch.Tensor:  # noqa:
     N are zero blocks."""
     if qtype not in QUANT_TYPES:
         raise ValueError(f"no quantized kernel for {qtype}; one of {list(QUANT_TYPES)}")
-    per = 256 if qtype in K_QUANTS else 32
+    per = quant_block_weights(qtype)
     if k % per:
         raise ValueError(f"{qtype} rows of {k} weights are not whole {per}-weight blocks")
     _, block_bytes, _ = QUANT_TYPES[qtype]
@@ -899,10 +906,10 @@ def pack_quant_weight(raw, qtype: str, n: int, k: int) -> torch.Tensor:  # noqa:
         if qtype == "Q8_0":
             q = blocks[..., 2:34]
         else:
-            first = 2 + (2 if mins is not None else 0) + (4 if qtype in ("Q5_0", "Q5_1") else 0)
+            first = 2 + (2 if mins is not None else 0) + (4 if qtype in FIVE_BIT else 0)
             nibbles = blocks[..., first:first + 16]  # low: weight e, high: weight e + 16
             q = torch.cat([nibbles & 15, nibbles >> 4], -1)  # [N, nb, 32], weight order
-            if first > 4 or qtype == "Q5_0":  # bit e of the little-endian qh: weight e's fifth
+            if qtype in FIVE_BIT:  # bit e of the little-endian qh: weight e's fifth
                 qh = blocks[..., first - 4:first].to(torch.int64)
                 word = qh[..., 0] | qh[..., 1] << 8 | qh[..., 2] << 16 | qh[..., 3] << 24
                 q = q | (((word[..., None] >> torch.arange(32)) & 1) << 4).to(torch.uint8)
@@ -920,7 +927,7 @@ def pack_quant_weight(raw, qtype: str, n: int, k: int) -> torch.Tensor:  # noqa:
     # weight 8c + 4h + j of row r -> chunk c, lane r, byte j, low nibble (h 0) or high (h 1);
     # its fifth bit -> row r's qh byte j, bit 2c + h
     q = q.reshape(groups, nb, rows, 4, 2, 4)
-    if qtype in ("Q5_0", "Q5_1", "Q5_K"):
+    if qtype in FIVE_BIT:
         bits = ((q >> 4) & 1).permute(0, 1, 2, 5, 3, 4).reshape(groups, nb, rows, 4, 8)
         parts.append((bits.to(torch.int32) << torch.arange(8, dtype=torch.int32)).sum(-1)
                      .to(torch.uint8).reshape(groups, nb, -1))

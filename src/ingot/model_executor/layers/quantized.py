@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from ingot.model_executor.layers.cpu_kernels import (
-    K_QUANTS,
     QUANT_TYPES,
     pack_quant_weight,
+    quant_block_weights,
 )
 
 
@@ -53,7 +53,7 @@ class QuantizedWeight:
         rank's input columns): whole blocks of the file, so each keeps its scales; a split
         inside a block (32 weights, a K-quant's 256) is an error that says what to change."""
         _, block_bytes, _ = QUANT_TYPES[self.qtype]
-        per = 256 if self.qtype in K_QUANTS else 32
+        per = quant_block_weights(self.qtype)
         width = self.in_features // num_shards
         if self.in_features % num_shards or width % per:
             raise ValueError(

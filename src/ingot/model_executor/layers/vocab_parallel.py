@@ -85,10 +85,10 @@ class VocabParallelEmbedding(KernelBindable, nn.Embedding):
         _load_vocab_shard(param, loaded, self.vocab_start, self.num_real)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.quant_weight is not None and self.tp_size == 1:
-            return quant_dequantize_rows(self.quant_kernels, self.quant_weight, self.quant_type,
-                                         input_ids, self.weight.dtype)
         if self.tp_size == 1:
+            if self.quant_weight is not None:
+                return quant_dequantize_rows(self.quant_kernels, self.quant_weight,
+                                             self.quant_type, input_ids, self.weight.dtype)
             return super().forward(input_ids)
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.num_real)
