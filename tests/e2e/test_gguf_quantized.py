@@ -25,9 +25,10 @@ import inspect
 
 import pytest
 import torch
+from logit_gate import gate, window_logits
 
 from ingot import LLM, SamplingParams
-from ingot.accuracy.ingot_runner import local_worker, record_logits
+from ingot.accuracy.ingot_runner import local_worker
 from ingot.model_executor.layers.linear import LinearBase, resident_weight_bytes
 
 pytestmark = [pytest.mark.needs_quant_kernels, pytest.mark.needs_kernels]
@@ -49,30 +50,8 @@ def _windows(llm) -> list[list[int]]:
 
 
 def _logits(llm, windows) -> torch.Tensor:
-    """float32 logits [positions, V] of each window's tokens 1.., fed the window (one request
-    at a time: a prefill's rows are the prompt's)."""
-    model = local_worker(llm.llm_engine).model
-    probe = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    rows = []
-    for window in windows:
-        with record_logits(model) as rec:
-            llm.generate([{"prompt_token_ids": window}], probe, use_tqdm=False)
-        logits = torch.cat(rec.rows)
-        assert logits.shape[0] >= len(window) - 1
-        rows.append(logits[:len(window) - 1])
-    return torch.cat(rows)
-
-
-def _gate(reference: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
-    """(top-1 agreement, mean KL(reference || got) in nats) over the positions, in float64 a
-    few hundred positions at a time (at once, the float64 temporaries over 2,495 x 49,152
-    logits took ~5 GB: most of make test's peak RSS)."""
-    agree = (reference.argmax(-1) == got.argmax(-1)).double().mean().item()
-    kl = 0.0
-    for ref, new in zip(reference.split(256), got.split(256), strict=True):
-        ref_lp, got_lp = ref.log_softmax(-1).double(), new.log_softmax(-1).double()
-        kl += (ref_lp.exp() * (ref_lp - got_lp)).sum(-1).sum().item()
-    return agree, kl / reference.shape[0]
+    """float32 logits [positions, V] of each window's tokens 1.. (logit_gate.window_logits)."""
+    return torch.cat([logits[:-1] for logits in window_logits(llm, windows)])
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +71,7 @@ def test_quantized_weights_pass_the_accuracy_gate_and_broken_twins_fail(f32_engi
     windows = _windows(plain)
     reference = _logits(plain, windows)
     assert reference.shape[0] >= 2000
-    agree, kl = _gate(reference, _logits(quant, windows))
+    agree, kl = gate(reference, _logits(quant, windows))
     print(f"gguf vs none (float32): top-1 agreement {agree:.4f}, mean KL {kl:.5f} nats")
     assert agree >= TOP1_AGREEMENT and kl <= MEAN_KL_NATS, (agree, kl)
 
@@ -105,14 +84,14 @@ def test_quantized_weights_pass_the_accuracy_gate_and_broken_twins_fail(f32_engi
         for lin in linears:
             if lin.quant_type == "Q4_1":
                 lin.quant_weight[..., 16:32] = 0
-        broken = _gate(few_reference, _logits(quant, few))
+        broken = gate(few_reference, _logits(quant, few))
         assert broken[0] < TOP1_AGREEMENT or broken[1] > MEAN_KL_NATS, broken
         for lin, weight in zip(linears, saved, strict=True):
             lin.quant_weight.copy_(weight)
         # (b) rows packed out of order: each linear's first two groups of 8 rows swapped
         for lin in linears:
             lin.quant_weight[[0, 1]] = lin.quant_weight[[1, 0]]
-        broken = _gate(few_reference, _logits(quant, few))
+        broken = gate(few_reference, _logits(quant, few))
         assert broken[0] < TOP1_AGREEMENT or broken[1] > MEAN_KL_NATS, broken
     finally:
         for lin, weight in zip(linears, saved, strict=True):
@@ -257,7 +236,7 @@ def test_every_other_type_passes_the_accuracy_gate_and_broken_twins_fail(default
         linears = _quantized_linears(quant)
         assert {lin.quant_type for lin in linears} == {
             "Q5_0", "Q5_1", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q8_0"}
-        agree, kl = _gate(reference, _logits(quant, windows))
+        agree, kl = gate(reference, _logits(quant, windows))
         print(f"mixed types: gguf vs none (float32): top-1 agreement {agree:.4f}, "
               f"mean KL {kl:.5f}")
         assert agree >= OTHER_TYPES_TOP1 and kl <= MEAN_KL_NATS, (agree, kl)
@@ -274,7 +253,7 @@ def test_every_other_type_passes_the_accuracy_gate_and_broken_twins_fail(default
             for lin in linears:
                 if lin.quant_type in breaks:
                     breaks[lin.quant_type](lin.quant_weight)
-            broken = _gate(few_reference, _logits(quant, few))
+            broken = gate(few_reference, _logits(quant, few))
             print(f"twin ({name}): {broken}")
             assert broken[0] < OTHER_TYPES_TOP1 or broken[1] > MEAN_KL_NATS, (name, broken)
             for lin, weight in zip(linears, saved, strict=True):

@@ -48,6 +48,7 @@ ROPE_CASES = {
     "mistral": ("mistral", {"sliding_window": 4096}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
+    "gemma3": ("gemma3", {"tie_word_embeddings": True}),
 }
 
 

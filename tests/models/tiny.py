@@ -15,6 +15,7 @@ ARCHS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
 
 # MoE defaults (4 experts, top 2): Qwen3-MoE with a dense last layer (mlp_only_layers), and
@@ -24,6 +25,17 @@ MOE_DEFAULTS = {
                       moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
                       mlp_only_layers=[1]),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
+}
+# Gemma 3: a local layer whose window (8) the test prompts outgrow, then a global one; each
+# with its own rope base, and a score scale that is not the head dim's.
+ARCH_DEFAULTS = {
+    **MOE_DEFAULTS,
+    "gemma3": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+                   layer_types=["sliding_attention", "full_attention"],
+                   rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                          "rope_theta": 10.0},
+                                    "full_attention": {"rope_type": "default",
+                                                       "rope_theta": 10000.0}}),
 }
 
 BASE = dict(
@@ -43,7 +55,7 @@ BASE = dict(
 
 def make_tiny_model(arch: str, path: Path, seed: int = 0, **overrides: Any) -> Path:
     config_cls, model_cls = (getattr(transformers, n) for n in ARCHS[arch])
-    kwargs = {**BASE, **MOE_DEFAULTS.get(arch, {}), **overrides}
+    kwargs = {**BASE, **ARCH_DEFAULTS.get(arch, {}), **overrides}
     if arch == "qwen3":
         kwargs.setdefault("head_dim", 16)
     config = config_cls(**kwargs)

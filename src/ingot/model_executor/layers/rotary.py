@@ -16,12 +16,16 @@ from torch import nn
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-def rope_parameters_of(config: Any) -> dict[str, Any]:
-    """The rope settings of an HF config, old (``rope_scaling``) or new (``rope_parameters``)."""
+def rope_parameters_of(config: Any, layer_type: str | None = None) -> dict[str, Any]:
+    """The rope settings of an HF config, old (``rope_scaling``) or new (``rope_parameters``).
+    ``layer_type``: a layer's kind (``config.layer_types``), for configs whose
+    ``rope_parameters`` holds one set per kind (Gemma 3: "sliding_attention", "full_attention")."""
     params = dict(getattr(config, "rope_parameters", None) or {})
-    scaling = getattr(config, "rope_scaling", None) or {}
-    for key, value in scaling.items():
-        params.setdefault(key, value)
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
+    else:
+        for key, value in (getattr(config, "rope_scaling", None) or {}).items():
+            params.setdefault(key, value)
     if "rope_theta" not in params:
         params["rope_theta"] = getattr(config, "rope_theta", 10000.0)
     rope_type = params.get("rope_type", params.get("type", "default"))

@@ -175,6 +175,10 @@ class _ArchSpec:
     config_class: str  # transformers class name
     hf_architecture: str
     permute_qk: bool  # llama.cpp's converter interleaves q/k rows for its rope kernel
+    # GGUF layer tensor names whose HF name differs from the shared skeleton's (_LAYER_NAMES).
+    layer_names: dict[str, str] = field(default_factory=dict)
+    # llama.cpp stores Gemma's zero-centred norm weights as 1 + weight; HF's are the weight.
+    norm_offset: float = 0.0
 
 
 _ARCHITECTURES = {
@@ -182,6 +186,12 @@ _ARCHITECTURES = {
     "qwen2": _ArchSpec("Qwen2Config", "Qwen2ForCausalLM", permute_qk=False),
     "qwen3": _ArchSpec("Qwen3Config", "Qwen3ForCausalLM", permute_qk=False),
     "qwen3moe": _ArchSpec("Qwen3MoeConfig", "Qwen3MoeForCausalLM", permute_qk=False),
+    # Sandwich norms: ffn_norm is the MLP's input norm, the two post_* norm the sublayers' outputs.
+    "gemma3": _ArchSpec("Gemma3TextConfig", "Gemma3ForCausalLM", permute_qk=False,
+                        layer_names={"ffn_norm": "pre_feedforward_layernorm",
+                                     "post_attention_norm": "post_attention_layernorm",
+                                     "post_ffw_norm": "post_feedforward_layernorm"},
+                        norm_offset=1.0),
 }
 
 # GGUF tensor names -> HF names; the same decoder skeleton covers all supported architectures.
@@ -223,12 +233,15 @@ _QUANTIZABLE_GLOBALS = ("token_embd", "output")
 _FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 
 
-def gguf_to_hf_name(name: str) -> str:
-    """HF parameter name for a GGUF tensor name; ValueError for names we cannot place."""
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str:
+    """HF parameter name for a GGUF tensor name of architecture ``arch``; ValueError for names
+    we cannot place."""
     if m := _LAYER_RE.fullmatch(name):
         layer, part, kind = m.groups()
-        if part in _LAYER_NAMES:
-            return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+        spec = _ARCHITECTURES.get(arch)
+        names = {**_LAYER_NAMES, **spec.layer_names} if spec is not None else _LAYER_NAMES
+        if part in names:
+            return f"model.layers.{layer}.{names[part]}.{kind}"
     elif (m := _GLOBAL_RE.fullmatch(name)) and m.group(1) in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
     raise ValueError(f"GGUF tensor {name!r} has no Hugging Face equivalent in ingot's mapping")
@@ -288,6 +301,30 @@ def _rope_parameters(arch: str, md: dict[str, Any], theta: float) -> dict[str, A
     else:
         raise ValueError(f"GGUF rope scaling type {kind!r} is not supported")
     return params
+
+
+def _gemma3_config(md: dict[str, Any], kwargs: dict[str, Any], get: Any) -> dict[str, Any]:
+    """Gemma 3's settings beyond the shared ones, as llama.cpp runs a gemma3 file: every sixth
+    layer global (the rest local, with a sliding window and rope base 10,000), the file's rope
+    base and scaling on the global layers, and scores scaled by 1/sqrt(head dim), except the
+    27B's (62 layers) by 1/sqrt(hidden / heads): the file stores none of this but the window."""
+    layers, hidden, heads = (kwargs["num_hidden_layers"], kwargs["hidden_size"],
+                             kwargs["num_attention_heads"])
+    window = get("attention.sliding_window")
+    if window is None:
+        raise ValueError("a gemma3 GGUF must set gemma3.attention.sliding_window")
+    pattern = 6
+    full = kwargs["rope_parameters"]
+    return dict(
+        layer_types=["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                     for i in range(layers)],
+        sliding_window=int(window),
+        rope_parameters={"full_attention": full,
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        query_pre_attn_scalar=hidden // heads if layers == 62 else kwargs["head_dim"],
+        hidden_activation="gelu_pytorch_tanh",
+        attention_bias=False,
+    )
 
 
 def _build_config(
@@ -350,6 +387,8 @@ def _build_config(
         kwargs["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
     if arch in ("qwen3", "qwen3moe"):
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    if arch == "gemma3":
+        kwargs.update(_gemma3_config(md, kwargs, get))
     if arch == "qwen3moe":
         # llama.cpp always renormalises qwen3moe's top-k weights (norm_topk_prob) unless the
         # file says otherwise; layers without expert tensors are dense.
@@ -444,17 +483,16 @@ class GGUFModel:
             for info in self.tensors.values():
                 if info.name in _SKIPPED_TENSORS:
                     continue
-                hf_name = gguf_to_hf_name(info.name)
+                hf_name = gguf_to_hf_name(info.name, self.architecture)
                 raw = np.frombuffer(buf, dtype=np.uint8, count=info.nbytes, offset=info.offset)
                 block_size, type_size = GGML_QUANT_SIZES[info.qtype]
                 byte_shape = (*info.shape[:-1], info.shape[-1] // block_size * type_size)
                 if info.name in kept:  # rows of blocks, copied out of the map
                     tensor = torch.from_numpy(raw.reshape(byte_shape).copy())
                 else:
-                    array = dequantize(raw.reshape(byte_shape), info.qtype)
-                    # F32 comes back as a read-only view of the mmap; else a new array.
-                    tensor = torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
-                    del array
+                    tensor = torch.from_numpy(_dequantize(raw.reshape(byte_shape), info.qtype))
+                    if spec.norm_offset and info.name.endswith("norm.weight"):
+                        tensor -= spec.norm_offset  # in float32, before any cast
                 del raw
                 if spec.permute_qk and info.name.endswith(("attn_q.weight", "attn_q.bias")):
                     tensor = unpermute_qk(tensor, n_heads)
@@ -471,6 +509,24 @@ class GGUFModel:
                 yield hf_name, tensor.to(dtype).contiguous()
 
 
+# Rows dequantized per call, into one float32 array: gguf's dequantize returns a new array per
+# call, so a whole tensor at once cost a second full-size copy (Gemma 3's 262,144-row
+# embedding: 671 MB more at peak).
+_DEQUANT_ROWS = 8192
+
+
+def _dequantize(raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """``raw`` (rows of a tensor's blocks, any leading shape) as a new float32 array."""
+    if qtype in _FLOAT_TYPES:  # a cast of the mmap's (read-only) view into a new array
+        return np.array(dequantize(raw, qtype), dtype=np.float32, copy=True)
+    rows = raw.reshape(-1, raw.shape[-1])
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    out = np.empty((rows.shape[0], rows.shape[1] // type_size * block_size), dtype=np.float32)
+    for start in range(0, rows.shape[0], _DEQUANT_ROWS):
+        out[start:start + _DEQUANT_ROWS] = dequantize(rows[start:start + _DEQUANT_ROWS], qtype)
+    return out.reshape(*raw.shape[:-1], out.shape[-1])
+
+
 def load_gguf(path: str | Path) -> GGUFModel:
     """Read a GGUF file's metadata into a config; the tokenizer and weights come on demand."""
     path = Path(path)
@@ -479,7 +535,7 @@ def load_gguf(path: str | Path) -> GGUFModel:
     # Fail now, not halfway through loading weights, if a tensor has no HF home.
     for name in tensors:
         if name not in _SKIPPED_TENSORS:
-            gguf_to_hf_name(name)
+            gguf_to_hf_name(name, metadata["general.architecture"])
     generation_config = {
         "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": _stop_token_ids(metadata),

@@ -2,7 +2,10 @@
 
 A GGUF carries no tokenizer.json: llama.cpp keeps the vocabulary, merges, token types and special
 ids as metadata keys (`tokenizer.ggml.*`), and names the pre-tokenizer only by a short id
-(`tokenizer.ggml.pre`). We rebuild the `tokenizers` pipeline that id stands for.
+(`tokenizer.ggml.pre`). For byte-level BPE ("gpt2") we rebuild the `tokenizers` pipeline that id
+stands for. SentencePiece vocabularies ("llama": Llama 2, Mistral, Gemma) store no merges;
+transformers' GGUF converter recovers them (per architecture: Gemma's from the tokens' order) and
+builds the slow tokenizer's fast twin, so we take its pipeline rather than restate it.
 """
 
 from __future__ import annotations
@@ -87,13 +90,56 @@ def build_gguf_tokenizer(
     """
     model = metadata.get("tokenizer.ggml.model")
     if model == "llama":
+        backend = _sentencepiece_backend(metadata)
+    elif model == "gpt2":
+        backend = _byte_level_backend(metadata)
+    else:
         raise ValueError(
-            "GGUF tokenizer model 'llama' is not supported yet (SentencePiece vocabularies); "
-            "pass a Hugging Face model directory, or --tokenizer pointing at one"
+            f"GGUF tokenizer model {model!r} is not supported (supported: 'gpt2' byte-level "
+            "BPE, 'llama' SentencePiece); pass --tokenizer with a Hugging Face tokenizer directory"
         )
-    if model != "gpt2":
-        raise ValueError(f"GGUF tokenizer model {model!r} is not supported (only 'gpt2' BPE)")
+    tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
+    # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise.
+    add_bos = metadata.get("tokenizer.ggml.add_bos_token", model == "llama")
 
+    kwargs: dict[str, Any] = {}
+    if model_max_length is not None:
+        kwargs["model_max_length"] = model_max_length
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=_token_at(tokens, metadata, "bos_token_id"),
+        eos_token=_token_at(tokens, metadata, "eos_token_id"),
+        pad_token=_token_at(tokens, metadata, "padding_token_id"),
+        unk_token=_token_at(tokens, metadata, "unknown_token_id"),
+        # Passing both explicitly makes transformers build the matching post-processor.
+        add_bos_token=bool(add_bos),
+        add_eos_token=bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
+        clean_up_tokenization_spaces=False,
+        **kwargs,
+    )
+    chat_template = metadata.get("tokenizer.chat_template")
+    if chat_template:
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def _sentencepiece_backend(metadata: Mapping[str, Any]) -> Tokenizer:
+    """The `tokenizers` pipeline of a SentencePiece GGUF vocabulary, from transformers' GGUF
+    converter (control and user-defined tokens added as ours are)."""
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        GGUF_TOKENIZER_MAPPING,
+        convert_gguf_tokenizer,
+    )
+
+    fields = {name: metadata[f"tokenizer.{key}"]
+              for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
+              if f"tokenizer.{key}" in metadata}
+    backend, _ = convert_gguf_tokenizer(str(metadata.get("general.architecture")), fields)
+    return backend
+
+
+def _byte_level_backend(metadata: Mapping[str, Any]) -> Tokenizer:
+    """Byte-level BPE ("gpt2"): the vocabulary, merges and the pre-tokenizer its id names."""
     tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
     merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
     token_types = list(metadata.get("tokenizer.ggml.token_type", []))
@@ -131,23 +177,4 @@ def build_gguf_tokenizer(
     ]
     backend.add_special_tokens(special)
     backend.add_tokens(user_defined)
-
-    kwargs: dict[str, Any] = {}
-    if model_max_length is not None:
-        kwargs["model_max_length"] = model_max_length
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token=_token_at(tokens, metadata, "bos_token_id"),
-        eos_token=_token_at(tokens, metadata, "eos_token_id"),
-        pad_token=_token_at(tokens, metadata, "padding_token_id"),
-        unk_token=_token_at(tokens, metadata, "unknown_token_id"),
-        # Passing both explicitly makes transformers build the matching post-processor.
-        add_bos_token=bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
-        add_eos_token=bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
-        clean_up_tokenization_spaces=False,
-        **kwargs,
-    )
-    chat_template = metadata.get("tokenizer.chat_template")
-    if chat_template:
-        tokenizer.chat_template = chat_template
-    return tokenizer
+    return backend

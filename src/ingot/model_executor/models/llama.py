@@ -1,7 +1,9 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm).
+"""Llama-family decoder (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm; Gemma 3 in
+gemma3.py is a subclass).
 
-One implementation, switched by config: the four architectures differ only in biases, per-head
-q/k RMSNorm and sliding-window attention. Projections are fused (QKV and gate-up); the separate
+One implementation, switched by config: the architectures differ in biases, per-head q/k
+RMSNorm, the MLP's activation, the attention scale, sliding-window attention and rope settings
+per layer (Gemma 3 alternates local and global layers), and the norm and layer classes. Projections are fused (QKV and gate-up); the separate
 checkpoint tensors land in their shard through each parameter's ``weight_loader``.
 
 Tensor parallelism (spec §1): the layers size themselves from ``get_tp_group()`` when the model
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
+from functools import partial
 from typing import Any
 
 import torch
@@ -52,19 +55,36 @@ def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+# The MLP's activation by HF name (``hidden_activation`` in Gemma's configs, else ``hidden_act``).
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+}
+
+
+def activation_of(config: Any) -> str:
+    act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+    if act not in _ACTIVATIONS:
+        raise ValueError(f"MLP activation {act!r} is not supported; supported: "
+                         f"{', '.join(sorted(_ACTIVATIONS))}")
+    return act
+
+
 class DecoderAttention(AttentionBindable, nn.Module):
     def __init__(
         self, config: Any, rotary: RotaryEmbedding, qk_norm: bool, biases: tuple[bool, bool],
-        qkv_input_size: int | None = None,
+        qkv_input_size: int | None = None, norm_cls: type[RMSNorm] = RMSNorm,
     ) -> None:
         """``qkv_input_size``: the q/k/v projections' input width when it is not the hidden
-        size (an EAGLE3 head attends over [token embedding, hidden state], 2 x hidden)."""
+        size (an EAGLE3 head attends over [token embedding, hidden state], 2 x hidden).
+        ``norm_cls``: the q/k norms' class (Gemma's scales by 1 + weight)."""
         super().__init__()
         qkv_bias, o_bias = biases
         total_heads = config.num_attention_heads
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
         self.head_dim = head_dim_of(config)
-        self.scale = self.head_dim**-0.5
+        # Gemma scales scores by query_pre_attn_scalar ** -0.5 (the head dim for most sizes).
+        self.scale = float(getattr(config, "query_pre_attn_scalar", None) or self.head_dim)**-0.5
         self.qkv_proj = QKVParallelLinear(
             qkv_input_size or config.hidden_size, self.head_dim, total_heads, total_kv_heads,
             bias=qkv_bias,
@@ -75,8 +95,8 @@ class DecoderAttention(AttentionBindable, nn.Module):
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size, o_bias)
         self.rotary = rotary
         eps = config.rms_norm_eps
-        self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
+        self.q_norm = norm_cls(self.head_dim, eps) if qk_norm else None
+        self.k_norm = norm_cls(self.head_dim, eps) if qk_norm else None
         self.sliding_window: int | None = None
         self.kv_scales = KVScales()
         # How attention runs: chosen once for the model (layers/attention_backend.py); plain
@@ -112,13 +132,12 @@ class DecoderMLP(KernelBindable, nn.Module):
         size = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias=bias)
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias)
-        act = getattr(config, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act {act!r} is not supported; only 'silu' is")
+        self.act = activation_of(config)
         self.cpu_kernels: CpuKernels | None = None  # silu(gate) * up in one C call (bf16)
 
     def bind_kernels(self, kernels: Kernels) -> bool:
-        self.cpu_kernels = kernels.dense_bf16
+        if self.act == "silu":
+            self.cpu_kernels = kernels.dense_bf16
         return self.cpu_kernels is not None
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
@@ -128,20 +147,24 @@ class DecoderMLP(KernelBindable, nn.Module):
         if self.cpu_kernels is not None and gate_up.dtype == torch.bfloat16 and gate_up.dim() == 2:
             return self.down_proj(silu_mul_bf16(self.cpu_kernels, gate_up), rows)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up, rows)
+        return self.down_proj(_ACTIVATIONS[self.act](gate) * up, rows)
 
 
 class DecoderLayer(nn.Module):
+    #: The norms' class (every norm of the layer, the q/k norms included).
+    norm_cls: type[RMSNorm] = RMSNorm
+
     def __init__(
         self, config: Any, rotary: RotaryEmbedding, qk_norm: bool, biases: tuple[bool, bool],
         mlp: nn.Module | None = None,
     ) -> None:
         """``mlp``: the feed-forward block when it is not the dense one (an MoE layer)."""
         super().__init__()
-        self.self_attn = DecoderAttention(config, rotary, qk_norm, biases)
+        self.self_attn = DecoderAttention(config, rotary, qk_norm, biases,
+                                          norm_cls=self.norm_cls)
         self.mlp = mlp if mlp is not None else DecoderMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = self.norm_cls(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = self.norm_cls(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self,
@@ -168,20 +191,33 @@ class DecoderModel(nn.Module):
     def __init__(
         self, config: Any, qk_norm: bool, biases: tuple[bool, bool],
         mlp_factory: Callable[[int], nn.Module | None] | None = None,
+        layer_cls: type[DecoderLayer] = DecoderLayer, embed_scale: float | None = None,
     ) -> None:
         """``mlp_factory(layer_index)``: a layer's feed-forward block, None for the dense one
-        (MoE models choose per layer)."""
+        (MoE models choose per layer). ``layer_cls``: the layers' class (Gemma's sandwich
+        norms). ``embed_scale``: a factor on the token embeddings (Gemma: sqrt(hidden)), applied
+        in the activations' dtype as HF does."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        rotary = RotaryEmbedding(
-            head_dim_of(config), config.max_position_embeddings, rope_parameters_of(config)
-        )
+        self.embed_scale = embed_scale
+        # One rotary table per layer type (Gemma 3: local layers rotate with another base).
+        layer_types = getattr(config, "layer_types", None) or []
+        rotaries: dict[str | None, RotaryEmbedding] = {}
+
+        def rotary_of(i: int) -> RotaryEmbedding:
+            kind = layer_types[i] if i < len(layer_types) else None
+            if kind not in rotaries:
+                rotaries[kind] = RotaryEmbedding(head_dim_of(config),
+                                                 config.max_position_embeddings,
+                                                 rope_parameters_of(config, kind))
+            return rotaries[kind]
+
         self.layers = nn.ModuleList(
-            DecoderLayer(config, rotary, qk_norm, biases,
-                         mlp_factory(i) if mlp_factory is not None else None)
+            layer_cls(config, rotary_of(i), qk_norm, biases,
+                      mlp_factory(i) if mlp_factory is not None else None)
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = layer_cls.norm_cls(config.hidden_size, config.rms_norm_eps)
         self.tp_group = get_tp_group()
         #: Prefill steps in sequence-parallel layout (additional_config.sequence_parallel_prefill;
         #: only with several TP ranks).
@@ -199,6 +235,8 @@ class DecoderModel(nn.Module):
         sp = self.sequence_parallel and not meta.is_decode
         with sequence_parallel(self.tp_group, input_ids.shape[0]) if sp else nullcontext():
             hidden = self.embed_tokens(input_ids)  # SP: reduce-scattered to this rank's rows
+            if self.embed_scale is not None:
+                hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
             if inputs_embeds is not None:
                 # Prompt embeddings: rows that are not token ids take the given embedding.
                 assert is_token_ids is not None
@@ -226,6 +264,8 @@ class LlamaForCausalLM(nn.Module):
 
     qk_norm = False
     supports_tensor_parallel = True
+    #: The decoder layers' class (gemma3.py's has sandwich norms).
+    layer_cls: type[DecoderLayer] = DecoderLayer
 
     # checkpoint name fragment -> (fused parameter fragment, shard id)
     stacked_params = (
@@ -239,10 +279,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, self.qk_norm, self._biases(config), self._mlp_factory())
-        window = self._sliding_window(config)
-        for layer in self.model.layers:
-            layer.self_attn.sliding_window = window
+        self.model = DecoderModel(config, self.qk_norm, self._biases(config), self._mlp_factory(),
+                                  self.layer_cls, self._embed_scale(config))
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.sliding_window = self._sliding_window(config, i)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.tp_size = get_tp_group().world_size
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
@@ -256,7 +296,11 @@ class LlamaForCausalLM(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         return bias, bias
 
-    def _sliding_window(self, config: Any) -> int | None:
+    def _sliding_window(self, config: Any, layer: int) -> int | None:
+        """Layer ``layer``'s attention window (None: the whole context)."""
+        return None
+
+    def _embed_scale(self, config: Any) -> float | None:
         return None
 
     def _mlp_factory(self) -> Callable[[int], nn.Module | None] | None:
@@ -331,7 +375,7 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    def _sliding_window(self, config: Any) -> int | None:
+    def _sliding_window(self, config: Any, layer: int) -> int | None:
         return getattr(config, "sliding_window", None)
 
 
@@ -339,7 +383,7 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     def _biases(self, config: Any) -> tuple[bool, bool]:
         return True, False
 
-    def _sliding_window(self, config: Any) -> int | None:
+    def _sliding_window(self, config: Any, layer: int) -> int | None:
         if getattr(config, "use_sliding_window", False):
             raise ValueError("Qwen sliding-window attention (use_sliding_window) is not supported")
         return None

@@ -6,12 +6,13 @@ from typing import Any
 
 from torch import nn
 
-from ingot.model_executor.models import bert, eagle3, llama, moe
+from ingot.model_executor.models import bert, eagle3, gemma3, llama, moe
 from ingot.model_executor.models.adapters import as_classification_model
 
 _MODELS: dict[str, type[nn.Module]] = {
     "BertModel": bert.BertModel,
     "BertForSequenceClassification": bert.BertForSequenceClassification,
+    "Gemma3ForCausalLM": gemma3.Gemma3ForCausalLM,
     "LlamaForCausalLM": llama.LlamaForCausalLM,
     "MistralForCausalLM": llama.MistralForCausalLM,
     "MixtralForCausalLM": moe.MixtralForCausalLM,
