@@ -14,12 +14,14 @@ from ingot import LLM, SamplingParams
 pytestmark = pytest.mark.needs_kernels
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma3"])
 def engine(request, tmp_path_factory):
-    # head_dim 32: the decode-attention kernel needs a multiple of 32. qwen2 has q/k/v biases.
+    # head_dim 32: the decode-attention kernel needs a multiple of 32. qwen2 has q/k/v biases,
+    # qwen3 q/k norms, gemma3 Gemma's norms (1 + weight, sandwiched), GeGLU, a local layer
+    # (window 8) beside a global one, each with its rope table, and scaled embeddings.
     path = tmp_path_factory.mktemp(f"fast-{request.param}")
     make_tiny_model(request.param, path, hidden_size=128, num_attention_heads=4,
-                    num_key_value_heads=2, intermediate_size=160)
+                    num_key_value_heads=2, intermediate_size=160, head_dim=32)
     make_byte_tokenizer(path)
     llm = LLM(model=str(path), dtype="bfloat16", max_model_len=256, max_num_seqs=4)
     return llm, llm.llm_engine.engine_core.executor.worker.model_runner

@@ -284,16 +284,52 @@ def test_rms_norm_module_uses_the_kernel_once_attached(default_fn):
 
 
 @pytest.mark.needs_kernels
+@pytest.mark.parametrize(("rows", "width"), [(1, 640), (64, 640), (3, 100), (4, 256)])
+def test_zero_centred_rms_norm_equals_torch(fn, rows, width):
+    """Gemma's RMSNorm (1 + weight, float32, one rounding) against its torch path; its twin:
+    the weight used without the 1 (Llama's rule) is caught."""
+    from ingot.model_executor.models.gemma3 import GemmaRMSNorm
+
+    torch.manual_seed(4)
+    norm = GemmaRMSNorm(width, 1e-6).to(torch.bfloat16)
+    norm.weight.data.normal_()
+    x = (torch.randn(rows, width) * 4).to(torch.bfloat16)
+    residual = torch.randn(rows, width).to(torch.bfloat16)
+    w1 = 1.0 + norm.weight.float()
+
+    def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+        # rsqrt's sum of squares adds in another order than torch's mean: a float32 ulp can
+        # move an output across a bf16 rounding boundary, so allow one bf16 ulp, rarely.
+        ulp = (a.float() - b.float()).abs() <= b.float().abs() * 2.0**-7
+        return bool(ulp.all()) and (a != b).float().mean().item() <= 0.01
+
+    assert close(cpu_kernels.rms_norm_bf16(fn, x, w1, 1e-6, zero_centred=True), norm(x))
+    out, new_residual = cpu_kernels.rms_norm_bf16(fn, x, w1, 1e-6, residual, zero_centred=True)
+    ref_out, ref_residual = norm(x, residual)
+    assert torch.equal(new_residual, ref_residual)
+    assert close(out, ref_out)
+    assert not close(cpu_kernels.rms_norm_bf16(fn, x, norm.weight.float(), 1e-6,
+                                               zero_centred=True), norm(x))
+
+
+@pytest.mark.needs_kernels
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
 @pytest.mark.parametrize(("rows", "inter"), [(1, 1536), (64, 1536), (2, 37)])
-def test_silu_mul_equals_torch(fn, rows, inter):
+def test_act_mul_equals_torch(fn, rows, inter, act):
     torch.manual_seed(5)
     gate_up = (torch.randn(rows, 2 * inter) * 3).to(torch.bfloat16)
     gate, up = gate_up.chunk(2, dim=-1)
-    ref = F.silu(gate) * up
-    got = cpu_kernels.silu_mul_bf16(fn, gate_up)
-    # exp's last float32 bit may differ from torch's; measured identical on these inputs.
-    assert (got != ref).float().mean() <= 1e-3
-    assert torch.allclose(got.float(), ref.float(), rtol=2.0**-7, atol=0)
+    fns = {"silu": F.silu, "gelu_pytorch_tanh": lambda g: F.gelu(g, approximate="tanh")}
+    ref = fns[act](gate) * up
+    got = cpu_kernels.act_mul_bf16(fn, gate_up, act)
+    # exp's last float32 bit may differ from torch's: a bf16 rounding flips rarely. torch's
+    # own vectorized tanh saturates to -1 earlier than its scalar one (GELU(-5.1): 0 against
+    # -1.5e-7), as ingot's may: the atol covers such ~1e-7 values.
+    assert (got != ref).float().mean() <= 1e-2
+    assert torch.allclose(got.float(), ref.float(), rtol=2.0**-7, atol=1e-5)
+    other = next(name for name in fns if name != act)  # the other activation is caught
+    assert not torch.allclose(cpu_kernels.act_mul_bf16(fn, gate_up, other).float(),
+                              ref.float(), rtol=2.0**-7, atol=1e-5)
 
 
 @pytest.mark.needs_kernels

@@ -10,9 +10,11 @@ calls in the same order (so its output equals the module path's bit for bit, tes
 GEMV for a few rows and ingot's GEMM or oneDNN's packed linear above, as the linear layers choose,
 with every weight resolved once, per-step arguments converted once, and activations in buffers
 reused across layers. A linear whose GGUF weight stays quantized runs ingot's quantized kernel
-(one ctypes call into the same buffers, every row count), as its module does. It is built only for decoders it reproduces exactly (dense MLPs, no q/k
-norm, one rank), and steps aside while a forward hook is installed anywhere (the accuracy
-toolkit's captures and replacements hook modules, so they keep the module path).
+(one ctypes call into the same buffers, every row count), as its module does. It is built only
+for decoders it reproduces exactly (dense MLPs, one rank, every norm on ingot's kernels: Llama's,
+or Gemma's 1 + weight, with q/k norms and Gemma's sandwich norms where the layer has them), and
+steps aside while a forward hook is installed anywhere (the accuracy toolkit's captures and
+replacements hook modules, so they keep the module path).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch import nn
 
 from ingot.model_executor.layers.attention import AttentionMetadata
 from ingot.model_executor.layers.cpu_kernels import (
+    KERNEL_ACTIVATIONS,
     QUANT_TYPES,
     CpuKernels,
     DecodeLayer,
@@ -36,6 +39,11 @@ from ingot.model_executor.layers.linear import gemv_applies
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def _norm(norm: nn.Module | None) -> tuple[int | None, float]:
+    """(what ingot's kernel reads as the norm's weight, its epsilon); (None, 0) for no norm."""
+    return (None, 0.0) if norm is None else (norm.kernel_weight().data_ptr(), norm.eps)
 
 
 def _has_hooks(modules: list[nn.Module]) -> bool:
@@ -66,18 +74,24 @@ class CpuDecodeProgram:
         self.qkv_size = attn.qkv_proj.output_size
         self.inter = first.mlp.down_proj.input_size
         self.layers: list[tuple[Any, ...]] = []
+        # Per layer, beside it: (q, k, attention-output, MLP-output) norms as _norm gives
+        # them, the activation's kernel id and the rotary table.
+        self.extras: list[tuple[Any, ...]] = []
+        self.zero_centred = bool(decoder.norm.zero_centred)
         for layer in decoder.layers:
             a, m = layer.self_attn, layer.mlp
+            before_attn, before_mlp, attn_out, mlp_out = layer.norms()
             self.layers.append((
-                layer.input_layernorm.weight.data_ptr(), layer.input_layernorm.eps,
+                *_norm(before_attn),
                 _ptr(a.qkv_proj.gemv_weight), _ptr(a.qkv_proj.bias_f32),
                 _ptr(a.o_proj.gemv_weight), _ptr(a.o_proj.bias_f32),
-                layer.post_attention_layernorm.weight.data_ptr(),
-                layer.post_attention_layernorm.eps,
+                *_norm(before_mlp),
                 _ptr(m.gate_up_proj.gemv_weight), _ptr(m.gate_up_proj.bias_f32),
                 _ptr(m.down_proj.gemv_weight), _ptr(m.down_proj.bias_f32),
                 a.sliding_window or 0, a.scale,
             ))
+            self.extras.append((tuple(_norm(n) for n in (a.q_norm, a.k_norm, attn_out, mlp_out)),
+                                KERNEL_ACTIVATIONS[m.act], a.rotary.cos_sin_cache))
         # The same four linears for batches above what the GEMV serves: ingot's GEMM weights
         # (called as the GEMV is, into the same buffers), or else the modules, whose forward
         # runs oneDNN for those rows.
@@ -92,7 +106,6 @@ class CpuDecodeProgram:
             (QUANT_TYPES[lin.quant_type][0], lin.quant_weight.data_ptr())
             if lin.quant_weight is not None else None for lin in linears)
             for linears in self.linears]
-        self.cos_sin = first.self_attn.rotary.cos_sin_cache
         self.norm = decoder.norm
         self._buffers: dict[int, tuple[torch.Tensor, ...]] = {}
         # The same loop in C (CpuKernels.decode_layers) wherever every linear is ingot's kernel:
@@ -100,11 +113,18 @@ class CpuDecodeProgram:
         self.native = True  # tests turn it off to compare the two loops
         self.all_quant = all(q is not None for quants in self.quant_weights for q in quants)
         self.c_layers = (DecodeLayer * len(self.layers))()
-        for c, layer, gemm_w, quants in zip(self.c_layers, self.layers, self.gemm_weights,
-                                            self.quant_weights, strict=True):
+        for c, layer, extras, gemm_w, quants in zip(self.c_layers, self.layers, self.extras,
+                                                    self.gemm_weights, self.quant_weights,
+                                                    strict=True):
             (in_w, in_eps, qkv_w, qkv_b, o_w, o_b, post_w, post_eps, gu_w, gu_b, down_w, down_b,
              window, scale) = layer
+            ((q_w, qk_eps), (k_w, _), (attn_out_w, attn_out_eps), (mlp_out_w, mlp_out_eps)), \
+                act, cos_sin = extras
             c.in_w, c.post_w, c.in_eps, c.post_eps = in_w, post_w, in_eps, post_eps
+            c.q_w, c.k_w, c.qk_eps = q_w, k_w, qk_eps
+            c.attn_out_w, c.attn_out_eps, c.mlp_out_w, c.mlp_out_eps = (
+                attn_out_w, attn_out_eps, mlp_out_w, mlp_out_eps)
+            c.zero_centred, c.act, c.cos_sin = int(self.zero_centred), act, cos_sin.data_ptr()
             c.window, c.scale = window, scale
             for j, (w, b) in enumerate(((qkv_w, qkv_b), (o_w, o_b), (gu_w, gu_b),
                                         (down_w, down_b))):
@@ -150,11 +170,12 @@ class CpuDecodeProgram:
                 gemm_kinds.add(lin.gemm_weight is not None)
             if len(gemm_kinds) > 1:
                 return None  # ingot's GEMM for some linears, oneDNN for others
-            norms = (layer.input_layernorm, layer.post_attention_layernorm, decoder.norm)
+            norms = [n for n in (*layer.norms(), a.q_norm, a.k_norm, decoder.norm)
+                     if n is not None]
             if any(n.cpu_kernels is None for n in norms) or m.cpu_kernels is None:
                 return None
-            if a.q_norm is not None:
-                return None
+            if any(n.zero_centred != decoder.norm.zero_centred for n in norms):
+                return None  # one kind of norm a model (the C loop takes one flag)
         return cls(model, kernels, quant)
 
     def serves(self, meta: AttentionMetadata) -> bool:
@@ -189,7 +210,6 @@ class CpuDecodeProgram:
         block_size = kv_caches[0].shape[2]
         width = table.shape[1]
         scratch, per_thread = attention_scratch(heads, width * block_size, threads)
-        step_args = (0, 0) if write_first else (positions.data_ptr(), self.cos_sin.data_ptr())
         tail_args = (0 if write_first else slots.data_ptr(), table.data_ptr(),
                      seq_lens.data_ptr(), attnp, rows, heads, kv_heads, head_dim, block_size,
                      width)
@@ -200,7 +220,11 @@ class CpuDecodeProgram:
 
         value_offset = kv_caches[0][0].numel() * 2  # bytes from a cache's keys to its values
         embedded = self.model.model.embed_tokens(input_ids.view(rows))
-        rms, gemv, attend, silu = k.rms_norm, k.gemv, k.decode_attention, k.silu_mul
+        if self.model.model.embed_scale is not None:  # as DecoderModel.forward
+            embedded = embedded * torch.tensor(self.model.model.embed_scale,
+                                               dtype=embedded.dtype)
+        rms = k.rms_norm_zc if self.zero_centred else k.rms_norm
+        gemv, attend = k.gemv, k.decode_attention
         # ingot's kernels write into the step's buffers; without its GEMM, rows the GEMV does
         # not serve go through the modules, whose forward (oneDNN) returns fresh tensors.
         matmul = gemv if use_gemv else k.gemm if self.gemm else None
@@ -229,10 +253,13 @@ class CpuDecodeProgram:
             return self.norm(h, res)[0]  # a fresh tensor: the buffers are reused next step
         residual_in = embedded.data_ptr()  # layer 0: residual = the embedding, no add
         aux = []
-        for i, (cache, layer, linears) in enumerate(zip(kv_caches, self.layers, self.linears,
-                                                        strict=True)):
+        for i, (cache, layer, extras, linears) in enumerate(zip(
+                kv_caches, self.layers, self.extras, self.linears, strict=True)):
             (in_w, in_eps, qkv_w, qkv_b, o_w, o_b, post_w, post_eps, gu_w, gu_b, down_w, down_b,
              window, scale) = layer
+            ((q_w, qk_eps), (k_w, _), (attn_out_w, attn_out_eps), (mlp_out_w, mlp_out_eps)), \
+                act_id, cos_sin = extras
+            step_args = (0, 0) if write_first else (positions.data_ptr(), cos_sin.data_ptr())
             if residual_in == rp:
                 rms(h.data_ptr(), rp, in_w, xp, rp, rows, hidden, in_eps, threads)
             else:
@@ -243,12 +270,18 @@ class CpuDecodeProgram:
             quants = self.quant_weights[i]
             qkv = project(linears[0], weights[0], quants[0], x, qkv_b, qkv, qkv_size, hidden)
             qkvp = qkv.data_ptr()
+            if q_w is not None:  # per head, in place, row by row (as the C loop)
+                for m in range(rows):
+                    row = qkvp + m * qkv_size * 2
+                    rms(row, None, q_w, row, None, heads, head_dim, qk_eps, threads)
+                    rms(row + q_bytes, None, k_w, row + q_bytes, None, kv_heads, head_dim,
+                        qk_eps, threads)
             kc = cache.data_ptr()
             vc = kc + value_offset
             if write_first:
                 k.rope_write_kv(qkvp, qkv_size, qkvp + q_bytes, qkv_size,
                                 qkvp + q_bytes + kv_bytes, qkv_size, positions.data_ptr(),
-                                self.cos_sin.data_ptr(), q_rot.data_ptr(), k_rot.data_ptr(),
+                                cos_sin.data_ptr(), q_rot.data_ptr(), k_rot.data_ptr(),
                                 kc, vc, slots.data_ptr(), rows, heads, kv_heads, head_dim,
                                 threads)
                 attend(q_rot.data_ptr(), heads * head_dim, 0, 0, 0, 0, *step_args, kc, vc,
@@ -259,12 +292,18 @@ class CpuDecodeProgram:
                        scratch.data_ptr(), per_thread, threads)
             h = project(linears[1], weights[1], quants[1], attn, o_b, h, hidden,
                         heads * head_dim)
+            if attn_out_w is not None:
+                rms(h.data_ptr(), None, attn_out_w, h.data_ptr(), None, rows, hidden,
+                    attn_out_eps, threads)
             rms(h.data_ptr(), residual_in, post_w, xp, rp, rows, hidden, post_eps, threads)
             residual_in = rp
             gate_up = project(linears[2], weights[2], quants[2], x, gu_b, gate_up, 2 * inter,
                               hidden)
-            silu(gate_up.data_ptr(), actp, rows, inter, threads)
+            k.act_mul[act_id](gate_up.data_ptr(), actp, rows, inter, threads)
             h = project(linears[3], weights[3], quants[3], act, down_b, h, hidden, inter)
+            if mlp_out_w is not None:
+                rms(h.data_ptr(), None, mlp_out_w, h.data_ptr(), None, rows, hidden, mlp_out_eps,
+                    threads)
         out, _ = self.norm(h, res)  # a fresh tensor: the buffers are reused next step
         if aux:
             self.model.model.aux_hidden_states = torch.cat(aux, dim=-1)
@@ -284,7 +323,7 @@ class CpuDecodeProgram:
             self._cache_ptrs = ptrs
         step = DecodeStep(
             rows, self.hidden, self.inter, self.qkv_size, self.num_heads, self.num_kv_heads,
-            self.head_dim, block_size, width, embedded.data_ptr(), self.cos_sin.data_ptr(),
+            self.head_dim, block_size, width, embedded.data_ptr(),
             x.data_ptr(), h.data_ptr(), res.data_ptr(), qkv.data_ptr(), attn.data_ptr(),
             gate_up.data_ptr(), act.data_ptr(), _ptr(q_rot), _ptr(k_rot), positions.data_ptr(),
             slots.data_ptr(), table.data_ptr(), seq_lens.data_ptr(), scratch.data_ptr(),

@@ -105,11 +105,15 @@ void ingot_gemv_bf16(const uint16_t *x, const uint16_t *wb, const float *bias, u
 }
 
 /* ---------------------------------------------------------------------------------------- */
-/* out = bf16(w * bf16(h * rsqrt(mean(h^2) + eps))) per row, h = x (+ residual, rounded to bf16
-   and also written to res_out when residual is given): torch's RMSNorm with its residual add. */
-void ingot_rmsnorm_bf16(const uint16_t *x, const uint16_t *residual, const uint16_t *w,
-                        uint16_t *out, uint16_t *res_out, int64_t M, int64_t N, float eps,
-                        int nthreads) {
+/* RMSNorm of bf16 rows, h = x (+ residual, rounded to bf16 and also written to res_out when
+   residual is given), r = rsqrt(mean(h^2) + eps); out may be x (in place). zero_centred = 0:
+   out = bf16(w * bf16(h * r)), w bf16 (torch's Llama RMSNorm); 1: out = bf16(h * r * w1) in
+   float32, w1 = 1 + weight as float32 (Gemma's RMSNorm, rounded once). */
+INL void rmsnorm_rows(const uint16_t *x, const uint16_t *residual, const void *weight,
+                      uint16_t *out, uint16_t *res_out, int64_t M, int64_t N, float eps,
+                      int zero_centred, int nthreads) {
+    const uint16_t *w = (const uint16_t *)weight;
+    const float *w1 = (const float *)weight;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (M > 1)
     for (int64_t m = 0; m < M; m++) {
         const uint16_t *xr = x + m * N;
@@ -127,18 +131,44 @@ void ingot_rmsnorm_bf16(const uint16_t *x, const uint16_t *residual, const uint1
         const float r = 1.0f / sqrtf(vhsum(ss) / (float)N + eps);
         const uint16_t *src = rr ? hr : xr;
         for (int64_t n = 0; n < N; n += VL) {
-            const vf h = vround_bf16(vmul(vload_bf16_part(src + n, N - n), vset1(r)));
-            const vf o = vround_bf16(vmul(vload_bf16_part(w + n, N - n), h));
-            vstore_bf16_part(out + m * N + n, o, N - n);
+            const vf h = vmul(vload_bf16_part(src + n, N - n), vset1(r));
+            const vf o = zero_centred ? vmul(h, vload_part(w1 + n, N - n))
+                                      : vmul(vload_bf16_part(w + n, N - n), vround_bf16(h));
+            vstore_bf16_part(out + m * N + n, vround_bf16(o), N - n);
         }
     }
 }
 
-/* out[m, i] = bf16(bf16(silu(gate)) * up) with gate = gu[m, i], up = gu[m, I + i]. Threads
-   take contiguous ranges of the (row, VL-column chunk) units, so one row at batch 1 still
-   uses every core, and walk them incrementally (a 64-bit division per vector had cost ~15% at
-   128 rows). */
-void ingot_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t M, int64_t I, int nthreads) {
+void ingot_rmsnorm_bf16(const uint16_t *x, const uint16_t *residual, const uint16_t *w,
+                        uint16_t *out, uint16_t *res_out, int64_t M, int64_t N, float eps,
+                        int nthreads) {
+    rmsnorm_rows(x, residual, w, out, res_out, M, N, eps, 0, nthreads);
+}
+
+void ingot_rmsnorm_zc_bf16(const uint16_t *x, const uint16_t *residual, const float *w1,
+                           uint16_t *out, uint16_t *res_out, int64_t M, int64_t N, float eps,
+                           int nthreads) {
+    rmsnorm_rows(x, residual, w1, out, res_out, M, N, eps, 1, nthreads);
+}
+
+/* GELU's tanh form as torch computes it: x/2 (1 + tanh(y)), y = sqrt(2/pi) (x + 0.044715 x^3),
+   with tanh(|y|) = 1 - 2 / (e^2|y| + 1), which rounds to exactly 1 where torch's does (so a
+   very negative x gives 0, as torch's); |y| clamped at 20, past which tanh is 1 in float32. */
+INL vf gelu_tanh(vf x) {
+    const vf x3 = vmul(vmul(x, x), x);
+    const vf y = vmul(vset1(0.7978845608028654f), vadd(x, vmul(vset1(0.044715f), x3)));
+    const vf e = exp_ps(vmul(vset1(2.0f), vmin(vabs(y), vset1(20.0f))));
+    const vf t = vsub(vset1(1.0f), vdiv(vset1(2.0f), vadd(e, vset1(1.0f))));
+    const vf tanh_y = vor(t, vand(y, vset1(-0.0f))); /* y's sign */
+    return vmul(vmul(vset1(0.5f), x), vadd(vset1(1.0f), tanh_y));
+}
+
+/* out[m, i] = bf16(bf16(act(gate)) * up) with gate = gu[m, i], up = gu[m, I + i]; act 0: SiLU,
+   1: GELU's tanh form (gelu_tanh). Threads take contiguous ranges of the (row, VL-column
+   chunk) units, so one row at batch 1 still uses every core, and walk them incrementally (a
+   64-bit division per vector had cost ~15% at 128 rows). */
+INL void act_mul_rows(const uint16_t *gu, uint16_t *out, int64_t M, int64_t I, int act,
+                      int nthreads) {
     const int64_t chunks = (I + VL - 1) / VL, units = M * chunks;
 #pragma omp parallel num_threads(nthreads) if (M * I >= 16384)
     {
@@ -148,13 +178,22 @@ void ingot_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t M, int64_t I
         for (int64_t u = u0; u < u1; u++) {
             const vf g = vload_bf16_part(gu + m * 2 * I + i, I - i);
             const vf up = vload_bf16_part(gu + m * 2 * I + I + i, I - i);
-            const vf e = exp_ps(vsub(vzero(), g));
-            const vf sg = vround_bf16(vdiv(g, vadd(vset1(1.0f), e)));
+            const vf sg = vround_bf16(act ? gelu_tanh(g)
+                                          : vdiv(g, vadd(vset1(1.0f), exp_ps(vsub(vzero(), g)))));
             vstore_bf16_part(out + m * I + i, vround_bf16(vmul(sg, up)), I - i);
             i += VL;
             if (i >= I) { i = 0; m++; }
         }
     }
+}
+
+void ingot_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t M, int64_t I, int nthreads) {
+    act_mul_rows(gu, out, M, I, 0, nthreads);
+}
+
+void ingot_gelu_tanh_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t M, int64_t I,
+                              int nthreads) {
+    act_mul_rows(gu, out, M, I, 1, nthreads);
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -960,18 +999,25 @@ typedef int (*ingot_quant_linear_fn)(int, const void *, int, const uint8_t *, co
                                      void *, int, int64_t, int64_t, int64_t, int);
 
 typedef struct { /* one decoder layer; linears in the order qkv, o, gate_up, down */
-    const uint16_t *in_w, *post_w; /* the two RMSNorms' weights */
+    /* The RMSNorms' weights, as rmsnorm_rows takes them (bf16, or float32 1 + weight with
+       zero_centred): in_w before attention, post_w before the MLP (its input adds the
+       residual); q_w / k_w per head on q and k (NULL: none); attn_out_w / mlp_out_w on the
+       attention's and the MLP's outputs before they join the residual (NULL: none; Gemma's
+       sandwich norms). */
+    const void *in_w, *post_w, *q_w, *k_w, *attn_out_w, *mlp_out_w;
     const void *gemv_w[4], *gemm_w[4], *quant_w[4];
     const float *bias[4];
     int32_t qtype[4]; /* GGML type id where the linear is quantized, else 0 */
-    float in_eps, post_eps, scale;
+    float in_eps, post_eps, qk_eps, attn_out_eps, mlp_out_eps, scale;
     int64_t window;
+    const uint16_t *cos_sin; /* the layer's rotary table (Gemma's local and global differ) */
+    int32_t zero_centred, act; /* act: 0 SiLU, 1 GELU (tanh) */
     uint16_t *kc, *vc;
 } ingot_decode_layer_t;
 
 typedef struct { /* one step: sizes, the step's buffers (decode program), attention metadata */
     int64_t rows, hidden, inter, qkv_size, heads, kv_heads, head_dim, block_size, width;
-    const uint16_t *embedded, *cos_sin;
+    const uint16_t *embedded;
     uint16_t *x, *h, *res, *qkv, *attn, *gate_up, *act, *q_rot, *k_rot; /* rot: write first */
     const int64_t *positions, *slots, *table, *seq_lens;
     float *scratch;
@@ -1001,36 +1047,50 @@ int ingot_decode_layers_bf16(const ingot_decode_layer_t *layers, int64_t n_layer
     int status = 0;
     for (int64_t i = 0; i < n_layers && !status; i++) {
         const ingot_decode_layer_t *l = layers + i;
+        const int zc = l->zero_centred;
         if (residual_in == s->res)
-            ingot_rmsnorm_bf16(s->h, s->res, l->in_w, s->x, s->res, rows, hidden, l->in_eps,
-                               s->threads);
+            rmsnorm_rows(s->h, s->res, l->in_w, s->x, s->res, rows, hidden, l->in_eps, zc,
+                         s->threads);
         else
-            ingot_rmsnorm_bf16(residual_in, NULL, l->in_w, s->x, NULL, rows, hidden, l->in_eps,
-                               s->threads);
+            rmsnorm_rows(residual_in, NULL, l->in_w, s->x, NULL, rows, hidden, l->in_eps, zc,
+                         s->threads);
         if ((status = decode_project(s, l, 0, s->x, s->qkv, qkv_size, hidden))) break;
-        const uint16_t *q = s->qkv, *k = s->qkv + H * D, *v = s->qkv + (H + Hkv) * D;
+        uint16_t *q = s->qkv, *k = s->qkv + H * D, *v = s->qkv + (H + Hkv) * D;
+        if (l->q_w) /* per head, in place: each row's H query heads, then its Hkv key heads */
+            for (int64_t m = 0; m < rows; m++) {
+                rmsnorm_rows(q + m * qkv_size, NULL, l->q_w, q + m * qkv_size, NULL, H, D,
+                             l->qk_eps, zc, s->threads);
+                rmsnorm_rows(k + m * qkv_size, NULL, l->k_w, k + m * qkv_size, NULL, Hkv, D,
+                             l->qk_eps, zc, s->threads);
+            }
         if (write_first) {
             ingot_rope_write_kv_bf16(q, qkv_size, k, qkv_size, v, qkv_size, s->positions,
-                                     s->cos_sin, s->q_rot, s->k_rot, l->kc, l->vc, s->slots, rows,
-                                     H, Hkv, D, s->threads);
+                                     l->cos_sin, s->q_rot, s->k_rot, l->kc, l->vc, s->slots,
+                                     rows, H, Hkv, D, s->threads);
             ingot_decode_attention_bf16(s->q_rot, H * D, NULL, 0, NULL, 0, NULL, NULL, l->kc,
                                         l->vc, NULL, s->table, s->seq_lens, s->attn, rows, H, Hkv,
                                         D, s->block_size, s->width, l->window, l->scale,
                                         s->scratch, s->per_thread, s->threads);
         } else {
             ingot_decode_attention_bf16(q, qkv_size, k, qkv_size, v, qkv_size, s->positions,
-                                        s->cos_sin, l->kc, l->vc, s->slots, s->table, s->seq_lens,
+                                        l->cos_sin, l->kc, l->vc, s->slots, s->table, s->seq_lens,
                                         s->attn, rows, H, Hkv, D, s->block_size, s->width,
                                         l->window, l->scale, s->scratch, s->per_thread,
                                         s->threads);
         }
         if ((status = decode_project(s, l, 1, s->attn, s->h, hidden, H * D))) break;
-        ingot_rmsnorm_bf16(s->h, residual_in, l->post_w, s->x, s->res, rows, hidden, l->post_eps,
-                           s->threads);
+        if (l->attn_out_w)
+            rmsnorm_rows(s->h, NULL, l->attn_out_w, s->h, NULL, rows, hidden, l->attn_out_eps,
+                         zc, s->threads);
+        rmsnorm_rows(s->h, residual_in, l->post_w, s->x, s->res, rows, hidden, l->post_eps, zc,
+                     s->threads);
         residual_in = s->res;
         if ((status = decode_project(s, l, 2, s->x, s->gate_up, 2 * s->inter, hidden))) break;
-        ingot_silu_mul_bf16(s->gate_up, s->act, rows, s->inter, s->threads);
-        status = decode_project(s, l, 3, s->act, s->h, hidden, s->inter);
+        act_mul_rows(s->gate_up, s->act, rows, s->inter, l->act, s->threads);
+        if ((status = decode_project(s, l, 3, s->act, s->h, hidden, s->inter))) break;
+        if (l->mlp_out_w)
+            rmsnorm_rows(s->h, NULL, l->mlp_out_w, s->h, NULL, rows, hidden, l->mlp_out_eps, zc,
+                         s->threads);
     }
     return status;
 }

@@ -109,12 +109,22 @@ _P = ctypes.c_void_p
 
 class DecodeLayer(ctypes.Structure):
     """One decoder layer for ``CpuKernels.decode_layers`` (cpu_kernels.c's
-    ``ingot_decode_layer_t``): linears in the order qkv, o, gate_up, down."""
+    ``ingot_decode_layer_t``): linears in the order qkv, o, gate_up, down; the norms' weights
+    as :meth:`RMSNorm.kernel_weight` gives them (NULL where the layer has no such norm)."""
 
-    _fields_ = [("in_w", _P), ("post_w", _P), ("gemv_w", _P * 4), ("gemm_w", _P * 4),
+    _fields_ = [*((name, _P) for name in (
+                    "in_w", "post_w", "q_w", "k_w", "attn_out_w", "mlp_out_w")),
+                ("gemv_w", _P * 4), ("gemm_w", _P * 4),
                 ("quant_w", _P * 4), ("bias", _P * 4), ("qtype", ctypes.c_int32 * 4),
-                ("in_eps", ctypes.c_float), ("post_eps", ctypes.c_float),
-                ("scale", ctypes.c_float), ("window", ctypes.c_int64), ("kc", _P), ("vc", _P)]
+                *((name, ctypes.c_float) for name in (
+                    "in_eps", "post_eps", "qk_eps", "attn_out_eps", "mlp_out_eps", "scale")),
+                ("window", ctypes.c_int64), ("cos_sin", _P),
+                ("zero_centred", ctypes.c_int32), ("act", ctypes.c_int32),
+                ("kc", _P), ("vc", _P)]
+
+
+#: The gated MLP activations ingot's kernels take, by HF name -> the kernels' id.
+KERNEL_ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
 
 
 class DecodeStep(ctypes.Structure):
@@ -125,7 +135,7 @@ class DecodeStep(ctypes.Structure):
                     "rows", "hidden", "inter", "qkv_size", "heads", "kv_heads", "head_dim",
                     "block_size", "width")),
                 *((name, _P) for name in (
-                    "embedded", "cos_sin", "x", "h", "res", "qkv", "attn", "gate_up", "act",
+                    "embedded", "x", "h", "res", "qkv", "attn", "gate_up", "act",
                     "q_rot", "k_rot", "positions", "slots", "table", "seq_lens", "scratch")),
                 ("per_thread", ctypes.c_int64), ("quant_linear", _P), ("use_gemv", ctypes.c_int32),
                 ("threads", ctypes.c_int32)]
@@ -143,7 +153,11 @@ class CpuKernels:
         self.gemm = _bind(lib.ingot_gemm_bf16, [p] * 4 + [i64] * 3 + [i32])
         self.gemm.restype = ctypes.c_int
         self.rms_norm = _bind(lib.ingot_rmsnorm_bf16, [p] * 5 + [i64] * 2 + [f32, i32])
+        self.rms_norm_zc = _bind(lib.ingot_rmsnorm_zc_bf16, [p] * 5 + [i64] * 2 + [f32, i32])
         self.silu_mul = _bind(lib.ingot_silu_mul_bf16, [p] * 2 + [i64] * 2 + [i32])
+        self.gelu_tanh_mul = _bind(lib.ingot_gelu_tanh_mul_bf16, [p] * 2 + [i64] * 2 + [i32])
+        #: by KERNEL_ACTIVATIONS id
+        self.act_mul = (self.silu_mul, self.gelu_tanh_mul)
         self.decode_attention = _bind(
             lib.ingot_decode_attention_bf16,
             [p, i64, p, i64, p, i64] + [p] * 8 + [i64] * 7 + [f32, p, i64, i32],
@@ -477,9 +491,11 @@ def rms_norm_bf16(
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
+    zero_centred: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm of bf16 rows (x [..., N], weight [N] bf16), with the residual add when given:
-    returns out, or (out, x + residual) like :class:`RMSNorm`."""
+    """RMSNorm of bf16 rows (x [..., N], weight [N] bf16; with ``zero_centred``, Gemma's: weight
+    float32 1 + w, one rounding), with the residual add when given: returns out, or
+    (out, x + residual) like :class:`RMSNorm`."""
     x = x.contiguous()
     n = x.shape[-1]
     m = x.numel() // n
@@ -488,17 +504,20 @@ def rms_norm_bf16(
     if residual is not None:
         residual = residual.contiguous()
         new_residual = torch.empty_like(x)
-    kernels.rms_norm(x.data_ptr(), _ptr(residual), weight.data_ptr(), out.data_ptr(),
-                     _ptr(new_residual), m, n, eps, torch.get_num_threads())
+    norm = kernels.rms_norm_zc if zero_centred else kernels.rms_norm
+    norm(x.data_ptr(), _ptr(residual), weight.data_ptr(), out.data_ptr(), _ptr(new_residual), m,
+         n, eps, torch.get_num_threads())
     return out if new_residual is None else (out, new_residual)
 
 
-def silu_mul_bf16(kernels: CpuKernels, gate_up: torch.Tensor) -> torch.Tensor:
-    """[M, 2I] bf16 (gate then up) -> silu(gate) * up, [M, I] bf16."""
+def act_mul_bf16(kernels: CpuKernels, gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """[M, 2I] bf16 (gate then up) -> act(gate) * up, [M, I] bf16 (``act``: a name of
+    :data:`KERNEL_ACTIVATIONS`)."""
     gate_up = gate_up.contiguous()
     m, two_i = gate_up.shape
     out = torch.empty(m, two_i // 2, dtype=torch.bfloat16)
-    kernels.silu_mul(gate_up.data_ptr(), out.data_ptr(), m, two_i // 2, torch.get_num_threads())
+    kernels.act_mul[KERNEL_ACTIVATIONS[act]](gate_up.data_ptr(), out.data_ptr(), m, two_i // 2,
+                                             torch.get_num_threads())
     return out
 
 

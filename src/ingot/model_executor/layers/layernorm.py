@@ -23,6 +23,13 @@ class RMSNorm(KernelBindable, nn.Module):
             self.cpu_kernels = kernels.dense_bf16
         return self.cpu_kernels is not None
 
+    #: Gemma's norms (models/gemma3.py) scale by 1 + weight; ingot's kernels take either kind.
+    zero_centred = False
+
+    def kernel_weight(self) -> torch.Tensor:
+        """What ingot's kernels read as the weight (Gemma's: 1 + weight in float32)."""
+        return self.weight
+
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

@@ -20,6 +20,7 @@ import torch
 from ingot.distributed.sequence_parallel import gather_tokens
 from ingot.model_executor.layers.attention import AttentionMetadata
 from ingot.model_executor.layers.bindable import Kernels
+from ingot.model_executor.layers.cpu_kernels import rms_norm_bf16
 from ingot.model_executor.layers.layernorm import RMSNorm
 from ingot.model_executor.models.llama import DecoderLayer, LlamaForCausalLM
 
@@ -27,19 +28,32 @@ from ingot.model_executor.models.llama import DecoderLayer, LlamaForCausalLM
 class GemmaRMSNorm(RMSNorm):
     """``x / rms(x) * (1 + weight)`` in float32, cast to the input's dtype at the end (HF's
     Gemma3RMSNorm; Llama's casts before the multiply). ``weight`` holds HF's zero-centred
-    values: llama.cpp's files store ``1 + weight``, and the GGUF loader takes the 1 off."""
+    values: llama.cpp's files store ``1 + weight``, and the GGUF loader takes the 1 off. In bf16
+    on CPU ingot's kernel takes ``1 + weight`` in float32, derived once when it is bound."""
+
+    zero_centred = True
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__(hidden_size, eps)
         with torch.no_grad():
             self.weight.zero_()
+        self.scale_f32: torch.Tensor | None = None
 
     def bind_kernels(self, kernels: Kernels) -> bool:
-        return False  # the bf16 kernel multiplies by the weight itself, rounded to bf16
+        if super().bind_kernels(kernels):
+            self.scale_f32 = 1.0 + self.weight.detach().float()
+        return self.cpu_kernels is not None
+
+    def kernel_weight(self) -> torch.Tensor:
+        assert self.scale_f32 is not None, "bind_kernels first"
+        return self.scale_f32
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.cpu_kernels is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+            return rms_norm_bf16(self.cpu_kernels, x, self.kernel_weight(), self.eps, residual,
+                                 zero_centred=True)
         if residual is not None:
             x = x + residual
             residual = x
@@ -57,6 +71,10 @@ class Gemma3DecoderLayer(DecoderLayer):
         config = args[0]
         self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def norms(self) -> tuple[RMSNorm, RMSNorm, RMSNorm | None, RMSNorm | None]:
+        return (self.input_layernorm, self.pre_feedforward_layernorm,
+                self.post_attention_layernorm, self.post_feedforward_layernorm)
 
     def forward(
         self,

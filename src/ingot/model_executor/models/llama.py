@@ -39,7 +39,11 @@ from ingot.model_executor.layers.attention_backend import (
     AttentionBindable,
 )
 from ingot.model_executor.layers.bindable import KernelBindable, Kernels
-from ingot.model_executor.layers.cpu_kernels import CpuKernels, silu_mul_bf16
+from ingot.model_executor.layers.cpu_kernels import (
+    KERNEL_ACTIVATIONS,
+    CpuKernels,
+    act_mul_bf16,
+)
 from ingot.model_executor.layers.layernorm import RMSNorm
 from ingot.model_executor.layers.linear import (
     MergedColumnParallelLinear,
@@ -133,11 +137,10 @@ class DecoderMLP(KernelBindable, nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias=bias)
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias)
         self.act = activation_of(config)
-        self.cpu_kernels: CpuKernels | None = None  # silu(gate) * up in one C call (bf16)
+        self.cpu_kernels: CpuKernels | None = None  # act(gate) * up in one C call (bf16)
 
     def bind_kernels(self, kernels: Kernels) -> bool:
-        if self.act == "silu":
-            self.cpu_kernels = kernels.dense_bf16
+        self.cpu_kernels = kernels.dense_bf16 if self.act in KERNEL_ACTIVATIONS else None
         return self.cpu_kernels is not None
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
@@ -145,7 +148,7 @@ class DecoderMLP(KernelBindable, nn.Module):
         rows = meta.kernel_rows if meta is not None else 0
         gate_up = self.gate_up_proj(x, rows)
         if self.cpu_kernels is not None and gate_up.dtype == torch.bfloat16 and gate_up.dim() == 2:
-            return self.down_proj(silu_mul_bf16(self.cpu_kernels, gate_up), rows)
+            return self.down_proj(act_mul_bf16(self.cpu_kernels, gate_up, self.act), rows)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(_ACTIVATIONS[self.act](gate) * up, rows)
 
@@ -165,6 +168,12 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp if mlp is not None else DecoderMLP(config)
         self.input_layernorm = self.norm_cls(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = self.norm_cls(config.hidden_size, config.rms_norm_eps)
+
+    def norms(self) -> tuple[RMSNorm, RMSNorm, RMSNorm | None, RMSNorm | None]:
+        """The layer's norms by role, as the CPU decode program runs them: (before attention,
+        before the MLP (it adds the residual), on the attention's output, on the MLP's output;
+        None: the layer has none there)."""
+        return self.input_layernorm, self.post_attention_layernorm, None, None
 
     def forward(
         self,
