@@ -7,8 +7,9 @@ local layers' sliding window (512) checks the whole gemma3 path: the config the 
 (layer pattern, rope bases, score scale), sandwich norms, GeGLU, q/k norms, embedding scale and
 the sliding window. Its twins, on the same engine: the sliding window dropped (the local layers
 then see the whole window, and positions past 512 differ) and the norms read with llama.cpp's
-stored offset (1 + weight) kept. (transformers' GGUF reader takes ~40 s over this 262,144-token
-vocabulary, so the reference is built once.)
+stored offset (1 + weight) kept. transformers reads a copy of the file without its vocabulary
+arrays (its GGUF reader spent ~30 s of ~45 on the 262,144 tokens' metadata, which the model
+does not need), with the vocabulary's size as a metadata key.
 
 The quantized gate is test_gguf_quantized.py's, on this file's mix (Q5_0 q/k/v, or Q5_0 q/k
 with a Q8_0 v, a group that dequantizes; Q4_K o_proj, Q5_0 gate/up, Q4_K / Q6_K ffn_down, a
@@ -25,7 +26,10 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import mmap
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from logit_gate import gate_sums, window_logits
@@ -69,17 +73,54 @@ def plain(gemma3_gguf_path: str) -> LLM:
     return LLM(gemma3_gguf_path, quantization="none", dtype="float32", **KW)
 
 
-@pytest.fixture(scope="module")
-def hf_window(plain: LLM, gemma3_gguf_path: str) -> tuple[list[int], torch.Tensor]:
-    """The first HF_POSITIONS tokens of the text and transformers' float32 logits for them."""
-    from pathlib import Path
+def _without_vocabulary(src: str, dst: Path) -> None:
+    """``src`` as GGUF again, tensors and metadata unchanged but for the tokenizer's three
+    262,144-entry arrays (dropped) and ``gemma3.vocab_size`` (added: their length)."""
+    import gguf
+    from gguf import GGUFValueType as VT
 
+    from ingot.model_executor.loader.gguf_loader import read_gguf_header
+
+    metadata, tensors = read_gguf_header(src)
+    vocabulary = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type")
+    types = {bool: VT.BOOL, int: VT.UINT32, float: VT.FLOAT32, str: VT.STRING}
+    writer = gguf.GGUFWriter(str(dst), metadata["general.architecture"])
+    for key, value in metadata.items():
+        if key in vocabulary or key == "general.architecture":
+            continue  # (the writer writes the architecture itself)
+        if isinstance(value, list):
+            writer.add_key_value(key, value, VT.ARRAY, sub_type=types[type(value[0])])
+        else:
+            writer.add_key_value(key, value, types[type(value)])
+    writer.add_key_value("gemma3.vocab_size", len(metadata["tokenizer.ggml.tokens"]), VT.UINT32)
+    with open(src, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        for info in tensors.values():
+            raw = np.frombuffer(buf, np.uint8, info.nbytes, info.offset).copy()
+            if info.qtype == gguf.GGMLQuantizationType.F32:
+                writer.add_tensor(info.name, raw.view(np.float32).reshape(info.shape))
+            else:
+                block, size = gguf.GGML_QUANT_SIZES[info.qtype]
+                writer.add_tensor(info.name, raw.reshape(*info.shape[:-1],
+                                                         info.shape[-1] // block * size),
+                                  raw_dtype=info.qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def hf_window(plain: LLM, gemma3_gguf_path: str,
+              tmp_path_factory: pytest.TempPathFactory) -> tuple[list[int], torch.Tensor]:
+    """The first HF_POSITIONS tokens of the text and transformers' float32 logits for them."""
     from transformers import AutoModelForCausalLM
 
     ids = _text_ids(plain)[:HF_POSITIONS]
-    path = Path(gemma3_gguf_path)
+    path = tmp_path_factory.mktemp("gemma3-hf") / "model.gguf"
+    _without_vocabulary(gemma3_gguf_path, path)
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                               dtype=torch.float32).eval()
+    path.unlink()
     with torch.no_grad():
         logits = hf(torch.tensor([ids])).logits[0].float()
     del hf
