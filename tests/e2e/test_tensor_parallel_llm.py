@@ -120,3 +120,20 @@ def test_ngram_speculation_under_tp_keeps_tp1_tokens(runs):
     assert got["seeded"] == runs["1-spec"][0]["seeded"]
     stats = runs["2-spec"][2]
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+
+
+def test_gemma3_under_tp_keeps_tp1_tokens_and_logprobs(tmp_path):
+    """Gemma 3's layers (its norms, the sandwich around attention and the MLP, a local layer's
+    window and rope table beside a global one) sharded over two ranks: TP 1's greedy tokens,
+    logprobs within 1e-5."""
+    path = make_tiny_model("gemma3", tmp_path, vocab_size=259)
+    results = []
+    for size in (1, 2):
+        llm = LLM(str(path), tensor_parallel_size=size, dtype="float32",
+                  skip_tokenizer_init=True, max_model_len=128, block_size=4)
+        try:
+            results.append(_outputs(llm))
+        finally:
+            llm.llm_engine.shutdown()
+    assert results[1]["greedy"] == results[0]["greedy"]
+    _logprobs_within_1e5(results[1]["logprobs"], results[0]["logprobs"])
