@@ -19,10 +19,27 @@ from prometheus_client.parser import text_string_to_metric_families
 TINY_FLAGS = ["--dtype", "float32", "--max-model-len", "256"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(count: int = 1) -> int:
+    """A port free now, with the ``count - 1`` after it free too (multi-node TP and DP take
+    the ports after --master-port / --data-parallel-rpc-port: a free port's neighbour could be
+    some connection's ephemeral port, which once failed a run)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + count > 65536:
+            continue
+        held = []
+        try:
+            for p in range(port, port + count):
+                held.append(socket.socket())
+                held[-1].bind(("127.0.0.1", p))
+            return port
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
 
 
 class Server:

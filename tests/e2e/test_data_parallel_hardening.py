@@ -50,7 +50,7 @@ def tmp(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def nodes(tiny_llama_dir, tmp):
     """(the server, its --data-parallel-rpc-port)."""
-    port = free_port()
+    port = free_port(2)  # DP rank r listens at the port + r
     profiler = {"profiler": {"output_dir": str(tmp / "profiles"), "ranks": [0, 1]}}
     flags = [str(tiny_llama_dir), *TINY_FLAGS, "--data-parallel-size", "2",
              "--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
@@ -159,7 +159,7 @@ def test_a_node_without_the_secret_is_refused(tiny_llama_dir):
     done = subprocess.run(
         [sys.executable, "-m", "ingot.cli.main", "serve", str(tiny_llama_dir), *TINY_FLAGS,
          "--data-parallel-size", "2", "--data-parallel-size-local", "1",
-         "--data-parallel-start-rank", "1", "--data-parallel-rpc-port", str(free_port()),
+         "--data-parallel-start-rank", "1", "--data-parallel-rpc-port", str(free_port(2)),
          "--headless"], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "INGOT_RPC_SECRET" in done.stderr and "--rpc-secret-file" in done.stderr, done.stderr

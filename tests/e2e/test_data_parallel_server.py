@@ -144,7 +144,7 @@ def test_two_node_launch_on_localhost(tiny_llama_dir, tmp_path, dp1_answers):
     from server_utils import free_port
 
     rpc = ["--data-parallel-size", "2", "--data-parallel-size-local", "1",
-           "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(free_port())]
+           "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(free_port(2))]
     env = {**os.environ, "INGOT_RPC_SECRET": secrets.token_hex(32)}  # both nodes share it
     with open(tmp_path / "headless.log", "w") as log:
         headless = subprocess.Popen(

@@ -53,7 +53,7 @@ def _outputs(llm: LLM) -> tuple[list, list]:
 def _two_nodes(moe_dir, tmp_path_factory, node1_env=None):
     """(tokens and logprobs, per-rank startup stats, node 1's exit code, node 1's log) of the
     engine on two "nodes"; ``node1_env``: node 1's environment (a fault for a twin)."""
-    port = free_port()
+    port = free_port(3)  # the rendezvous, node 0's replies, rank 1's calls
     # The secret both nodes share (--rpc-secret-file; the other form, INGOT_RPC_SECRET, is
     # test_data_parallel_hardening.py's).
     secret = tmp_path_factory.mktemp("secret") / "rpc-secret"

@@ -152,10 +152,15 @@ def test_an_engine_binds_one_backend_to_every_layer(tmp_path):
 
     dense = _dense(tmp_path / "dense")
     assert _bound(dense, "bfloat16") == ("cpu-kernels", {"cpu-kernels"}, 2, True)
-    # q/k norm (Qwen3): the kernels attend, the decode program (which has no q/k norm) does not
-    # build, so decode runs the modules.
+    # q/k norm (Qwen3): the kernels attend, and the decode program runs its norms per head.
     make_tiny_model("qwen3", tmp_path / "qwen3", hidden_size=128, num_attention_heads=4,
                     num_key_value_heads=2, intermediate_size=160, num_hidden_layers=2,
                     head_dim=32)
     make_byte_tokenizer(tmp_path / "qwen3")
-    assert _bound(tmp_path / "qwen3", "bfloat16") == ("cpu-kernels", {"cpu-kernels"}, 2, False)
+    assert _bound(tmp_path / "qwen3", "bfloat16") == ("cpu-kernels", {"cpu-kernels"}, 2, True)
+    # Sparse layers (Qwen3-MoE): the kernels attend, the decode program (dense MLPs only) does
+    # not build, so decode runs the modules.
+    make_tiny_model("qwen3_moe", tmp_path / "moe", hidden_size=128, num_attention_heads=4,
+                    num_key_value_heads=2, num_hidden_layers=2, head_dim=32)
+    make_byte_tokenizer(tmp_path / "moe")
+    assert _bound(tmp_path / "moe", "bfloat16") == ("cpu-kernels", {"cpu-kernels"}, 2, False)
