@@ -34,12 +34,16 @@ class RMSNorm(KernelBindable, nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.cpu_kernels is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-            return rms_norm_bf16(self.cpu_kernels, x, self.weight, self.eps, residual)
+            return rms_norm_bf16(self.cpu_kernels, x, self.kernel_weight(), self.eps, residual,
+                                 zero_centred=self.zero_centred)
         if residual is not None:
             x = x + residual
             residual = x
-        dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * h.to(dtype)
+        out = self._scale(h, x.dtype)
         return out if residual is None else (out, residual)
+
+    def _scale(self, h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The normalised rows (float32) times the weight, in ``dtype``: Llama's rounds first."""
+        return self.weight * h.to(dtype)

@@ -17,10 +17,7 @@ from typing import Any
 
 import torch
 
-from ingot.distributed.sequence_parallel import gather_tokens
-from ingot.model_executor.layers.attention import AttentionMetadata
 from ingot.model_executor.layers.bindable import Kernels
-from ingot.model_executor.layers.cpu_kernels import rms_norm_bf16
 from ingot.model_executor.layers.layernorm import RMSNorm
 from ingot.model_executor.models.llama import DecoderLayer, LlamaForCausalLM
 
@@ -48,19 +45,8 @@ class GemmaRMSNorm(RMSNorm):
         assert self.scale_f32 is not None, "bind_kernels first"
         return self.scale_f32
 
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if self.cpu_kernels is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-            return rms_norm_bf16(self.cpu_kernels, x, self.kernel_weight(), self.eps, residual,
-                                 zero_centred=True)
-        if residual is not None:
-            x = x + residual
-            residual = x
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = (h * (1.0 + self.weight.float())).to(x.dtype)
-        return out if residual is None else (out, residual)
+    def _scale(self, h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return (h * (1.0 + self.weight.float())).to(dtype)
 
 
 class Gemma3DecoderLayer(DecoderLayer):
@@ -75,27 +61,6 @@ class Gemma3DecoderLayer(DecoderLayer):
     def norms(self) -> tuple[RMSNorm, RMSNorm, RMSNorm | None, RMSNorm | None]:
         return (self.input_layernorm, self.pre_feedforward_layernorm,
                 self.post_attention_layernorm, self.post_feedforward_layernorm)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # As DecoderLayer: ``hidden`` is the previous layer's output, not yet added to the
-        # residual stream; the next layer's input norm (or the final norm) adds it.
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, gather_tokens(hidden), kv_cache, meta)
-        hidden = self.post_attention_layernorm(hidden)
-        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
-        hidden = self.mlp(gather_tokens(hidden), meta)
-        return self.post_feedforward_layernorm(hidden), residual
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):

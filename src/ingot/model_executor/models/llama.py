@@ -170,9 +170,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = self.norm_cls(config.hidden_size, config.rms_norm_eps)
 
     def norms(self) -> tuple[RMSNorm, RMSNorm, RMSNorm | None, RMSNorm | None]:
-        """The layer's norms by role, as the CPU decode program runs them: (before attention,
-        before the MLP (it adds the residual), on the attention's output, on the MLP's output;
-        None: the layer has none there)."""
+        """The layer's norms by role, as forward and the CPU decode program run them: (before
+        attention, before the MLP (it adds the residual), on the attention's output, on the
+        MLP's output; None: the layer has none there)."""
         return self.input_layernorm, self.post_attention_layernorm, None, None
 
     def forward(
@@ -186,14 +186,24 @@ class DecoderLayer(nn.Module):
         # In a sequence-parallel step ``hidden`` and ``residual`` are this rank's rows: the
         # norms run on them, attention and the MLP on every row (gathered), and their
         # row-parallel outputs come back reduce-scattered to this rank's rows.
+        # In a sequence-parallel step ``hidden`` and ``residual`` are this rank's rows: the
+        # norms run on them, attention and the MLP on every row (gathered), and their
+        # row-parallel outputs come back reduce-scattered to this rank's rows. ``hidden`` is
+        # the previous layer's output, not yet in the residual stream (this layer's first norm,
+        # or the final norm, adds it); norms on the sublayers' outputs (Gemma's sandwich) apply
+        # before they join it.
+        before_attn, before_mlp, attn_out, mlp_out = self.norms()
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            hidden = before_attn(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = before_attn(hidden, residual)
         hidden = self.self_attn(positions, gather_tokens(hidden), kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(gather_tokens(hidden), meta), residual
+        if attn_out is not None:
+            hidden = attn_out(hidden)
+        hidden, residual = before_mlp(hidden, residual)
+        hidden = self.mlp(gather_tokens(hidden), meta)
+        return (hidden if mlp_out is None else mlp_out(hidden)), residual
 
 
 class DecoderModel(nn.Module):
