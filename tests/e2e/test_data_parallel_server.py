@@ -69,8 +69,12 @@ def test_greedy_output_equals_dp1(dp2, dp1_answers):
     assert min(_routed(dp2)) > 0  # both replicas served some of them
 
 
-def test_balances_100_requests(dp2):
-    before = _routed(dp2)
+def test_routes_by_queue_length(dp2):
+    """One request at a time, the replicas take turns exactly (equal queues: round robin).
+    100 at once, 16 in flight, go to the replica with fewer unfinished requests, so each one's
+    share follows its speed: both serve a large part. (A 50 +- 20% band on that split failed at
+    38/62 while another test process had the second CPU: the slower replica was given fewer,
+    as the rule intends; a speed-dependent band is not what this checks.)"""
     client = _client(dp2)
     model = client.models.list().data[0].id
 
@@ -78,13 +82,19 @@ def test_balances_100_requests(dp2):
         return client.completions.create(model=model, prompt=f"request {i}", max_tokens=4,
                                          temperature=0).choices[0].text
 
+    before = _routed(dp2)
+    for i in range(10):
+        one(i)
+    assert [a - b for a, b in zip(_routed(dp2), before, strict=True)] == [5, 5]
+
+    before = _routed(dp2)
     with ThreadPoolExecutor(16) as pool:
         texts = list(pool.map(one, range(100)))
     client.close()
     assert len(texts) == 100
     counts = [a - b for a, b in zip(_routed(dp2), before, strict=True)]
     assert sum(counts) == 100
-    assert all(40 <= c <= 60 for c in counts), counts  # 50 +- 20%
+    assert min(counts) >= 20, counts
 
 
 def test_constraints_are_checked_on_a_replica(dp2):
