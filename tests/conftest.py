@@ -11,9 +11,9 @@ sys.path.insert(0, str(Path(__file__).parent / "models"))
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # `make test` runs two pytest-xdist workers on the two CPUs. libgomp's default wait spins,
     # and an OpenMP team spinning for a thread the other worker holds burns the CPU that thread
-    # needs (the suite in two workers: 1062 s with spinning, user time 26 min against 18 min in
-    # one process; 766 s with passive waits, user 18 min). Set before torch loads libgomp (this
-    # conftest is imported before any test module); the engines the tests start inherit it.
+    # needs (the suite in two workers with spinning: user CPU 26 min against 18 min in one
+    # process; with passive waits, 18 min). Set before torch loads libgomp (this conftest is
+    # imported before any test module); the engines the tests start inherit it.
     os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 #: xdist groups (`make test`: --dist loadgroup) beyond "one module, one group", which keeps each
@@ -47,14 +47,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     if builds is not None:
         builds.count(items)
     tests = Path(__file__).parent
+    group = {item.nodeid: _xdist_group(item.path.relative_to(tests).as_posix()) for item in items}
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(
-            _xdist_group(item.path.relative_to(tests).as_posix())))
+        item.add_marker(pytest.mark.xdist_group(group[item.nodeid]))
     # the named groups first (a stable sort: each module's tests keep their order)
-    first = list(GROUPS)
-    items.sort(key=lambda item: next(
-        (first.index(m.args[0]) for m in item.iter_markers("xdist_group") if m.args[0] in first),
-        len(first)))
+    order = {name: i for i, name in enumerate(GROUPS)}
+    items.sort(key=lambda item: order.get(group[item.nodeid], len(order)))
 
 
 def _kernels_or_skip(load, library: str, what: str) -> None:
