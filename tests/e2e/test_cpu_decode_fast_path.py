@@ -180,4 +180,9 @@ def test_packed_linears_hold_one_copy_per_kernel_layout(engine):
                   for lin in linears)
     biases = sum(lin.bias_f32.numel() * 4 for lin in linears if lin.bias_f32 is not None)
     assert resident_weight_bytes(model) == plain + derived + biases
+    # The GEMV copies (what a decode step streams) lie in one buffer, in the order of the layers
+    # (binding.place_streamed_weights).
+    assert len({lin.gemv_weight.untyped_storage().data_ptr() for lin in linears}) == 1
+    layer_gemv = [lin.gemv_weight.data_ptr() for lin in linears if lin is not model.lm_head]
+    assert layer_gemv == sorted(layer_gemv)
     assert llm.llm_engine.startup_stats()["load_bytes"] == resident_weight_bytes(model)

@@ -33,6 +33,8 @@ from ingot.model_executor.layers.cpu_kernels import (
     quant_dense_preferred,
 )
 from ingot.model_executor.layers.linear import cpu_packed_linear_supported
+from ingot.model_executor.layers.quantized import quantized_parts
+from ingot.utils.hugepages import huge_page_buffer
 
 
 def select_kernels(model: nn.Module, dtype: torch.dtype, device: torch.device,
@@ -108,7 +110,51 @@ def bind(model: nn.Module, backend: AttentionBackend, kernels: Kernels) -> Bound
             taken += bool(module.bind_kernels(kernels))
         if isinstance(module, AttentionBindable):
             module.bind_attention(backend)
+    if kernels.cpu:
+        place_streamed_weights(model)
     return Bound(taken, backend.decode_program(model))
+
+
+#: Each weight in the streamed buffer starts on a cache line, as torch's allocator aligns.
+_ALIGN = 64
+
+
+def place_streamed_weights(model: nn.Module) -> int:
+    """Move the weights ``model``'s kernels stream per step (``streamed_weights`` of each bound
+    layer) into one huge-page buffer (utils/hugepages.py), each once (a tied embedding's and LM
+    head's one copy, where the LM head reads it), in the order the layers bind, which for a
+    decoder is the order a step reads them. Each is copied and its old memory released before
+    the next, so loading peaks at one weight over the buffer. Before the decode program takes
+    the weights' addresses. Returns the bytes moved."""
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in _post_order(model):
+        for attr in getattr(module, "streamed_weights", ()):
+            t = getattr(module, attr, None)
+            if t is None or t.device.type != "cpu" or t.is_mkldnn or not t.is_contiguous():
+                continue
+            # A second holder moves the weight to its place (the tied LM head's, after the
+            # layers).
+            holders[id(t)] = holders.pop(id(t), []) + [(module, attr)]
+    if not holders:
+        return 0
+    # A quantized parameter's parts keep the packed tensor for a later binding of a tied twin.
+    parts = [q for p in model.parameters() if (q := quantized_parts(p)) is not None]
+    sizes = [(t := getattr(*owners[0])).numel() * t.element_size() for owners in holders.values()]
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + -(-n // _ALIGN) * _ALIGN)
+    buffer = huge_page_buffer(starts[-1])
+    for owners, start, nbytes in zip(holders.values(), starts, sizes, strict=False):
+        old = getattr(*owners[0])
+        new = buffer[start:start + nbytes].view(old.dtype).view(old.shape)
+        new.copy_(old)
+        for module, attr in owners:
+            setattr(module, attr, new)
+        for q in parts:
+            if q.packed is old:
+                q.packed = new
+        del old
+    return starts[-1]
 
 
 def attention_heads(model: nn.Module) -> tuple[int, int, int] | None:

@@ -77,6 +77,11 @@ NO_KERNELS = Kernels()
 class KernelBindable:
     """A layer with a path through ingot's CPU kernels, chosen once at binding."""
 
+    #: Attributes holding the weight copies its kernels stream once per decode step (made by
+    #: ``bind_kernels``; None where not made): the binding step moves them into one huge-page
+    #: buffer, in the order the layers bind (binding.place_streamed_weights).
+    streamed_weights: tuple[str, ...] = ()
+
     def bind_kernels(self, kernels: Kernels) -> bool:
         """Take what of ``kernels`` applies to this layer's weights (re-laying them out where
         the kernels read another layout); returns whether it runs any of ingot's kernels."""

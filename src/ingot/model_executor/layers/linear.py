@@ -74,6 +74,8 @@ def cpu_packed_linear_supported(dtype: torch.dtype, device: torch.device) -> boo
 
 
 class LinearBase(KernelBindable, nn.Module):
+    streamed_weights = ("quant_weight", "gemv_weight")
+
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__()
         self.input_size = input_size
@@ -451,16 +453,18 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 def resident_weight_bytes(model: nn.Module) -> int:
     """Bytes the model's weights occupy in memory: every parameter plus the derived layouts
     the kernels read (oneDNN-packed, GEMV-blocked, float32 biases, quantized blocks: a tied
-    embedding's and LM head's once), each storage once."""
+    embedding's and LM head's once), each tensor's own bytes once (the streamed weights share
+    one buffer, binding.place_streamed_weights)."""
     storages: dict[int, int] = {}
 
     def add(t: torch.Tensor | None) -> None:
         if t is None or not t.numel():
             return
-        if t.is_mkldnn:  # oneDNN's opaque packed tensors have no storage to share
-            storages[id(t)] = t.numel() * t.element_size()
+        nbytes = t.numel() * t.element_size()
+        if t.is_mkldnn:  # oneDNN's opaque packed tensors have no address to share
+            storages[id(t)] = nbytes
         else:
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            storages[t.data_ptr()] = max(storages.get(t.data_ptr(), 0), nbytes)
 
     for p in model.parameters():
         add(p)

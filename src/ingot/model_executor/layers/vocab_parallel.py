@@ -54,6 +54,8 @@ class VocabParallelEmbedding(KernelBindable, nn.Embedding):
     packed blocks, the looked-up rows dequantized (the float table is never resident); tied to
     the LM head, both read the one packed copy."""
 
+    streamed_weights = ("quant_weight",)
+
     def __init__(self, num_embeddings: int, embedding_dim: int,
                  tp_group: GroupCoordinator | None = None) -> None:
         self.tp_group = tp_group if tp_group is not None else get_tp_group()
