@@ -130,6 +130,12 @@ def test_hooks_take_the_module_path(engine):
         llm.generate([{"prompt_token_ids": [7, 8, 9]}, {"prompt_token_ids": [9, 8]}], params,
                      use_tqdm=False)
         assert calls["n"] == 3  # hook gone: batch 2 decodes through the fast path again
+        # torch's global hooks count too (a pre-hook: every module's forward runs)
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(
+            lambda m, i: seen.append(type(m)))
+        before = len(seen)
+        _run(llm, list(range(5, 20)))
+        assert calls["n"] == 3 and len(seen) > before
     finally:
         handle.remove()
         fast.forward = forward
