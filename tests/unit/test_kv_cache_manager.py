@@ -33,6 +33,25 @@ def test_large_cpu_kv_cache_reads_as_zeros():
     assert cache.abs().max().item() == 0.0
 
 
+def _rss_bytes() -> int:
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_cpu_kv_cache_is_committed_as_written_on_huge_page_boundaries():
+    from ingot.utils.hugepages import HUGE_PAGE
+
+    before = _rss_bytes()
+    cache = allocate_kv_cache((2, 2048, 32, 8, 64), torch.bfloat16, torch.device("cpu"))  # 1 GiB
+    assert cache.data_ptr() % HUGE_PAGE == 0
+    assert _rss_bytes() - before < 64 << 20  # nothing touched yet
+    cache[0, 5].fill_(1.0)  # one block written: its pages only
+    assert _rss_bytes() - before < 64 << 20
+    assert cache[0, 5].sum().item() == 32 * 8 * 64 and cache[1].abs().max().item() == 0.0
+
+
 def _run_prefill(kv, rid, prompt):
     """Admit, allocate and 'compute' a whole prompt, then publish its full blocks."""
     cached = kv.admit(rid, prompt)

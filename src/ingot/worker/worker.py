@@ -3,16 +3,13 @@ steps through its ModelRunner."""
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
 import math
 import os
-import sys
 import time
 from typing import Any
 
-import numpy as np
 import torch
 
 from ingot.config import EngineConfig, ProfilerConfig
@@ -32,6 +29,7 @@ from ingot.platforms import resolve_platform
 from ingot.platforms.cpu_threads import start_cpu_threads
 from ingot.runner_output import ModelRunnerOutput
 from ingot.sched_output import SchedulerOutput
+from ingot.utils.hugepages import huge_page_buffer
 from ingot.utils.math_utils import cdiv
 from ingot.worker.execution.program import StepProgram
 from ingot.worker.execution.select import select_step_program
@@ -162,40 +160,18 @@ def calibrate_kv_scales(model: torch.nn.Module, config: EngineConfig, device: to
 def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero-filled cache: masked-out reads must never meet NaN garbage (0 * NaN = NaN).
 
-    On CPU the memory comes from calloc (through numpy): large blocks are fresh zero pages
-    from the kernel, committed only when first written, so a 4 GiB cache costs no start-up
-    time and RSS grows only as blocks fill up. torch.zeros would touch every page up front.
+    On CPU the memory is a fresh anonymous mapping (utils/hugepages.py): zero pages committed
+    only when first written, so a 4 GiB cache costs no start-up time and RSS grows only as
+    blocks fill up (torch.zeros would touch every page up front); and advised for huge pages,
+    since decode attention reads the blocks of 64 sequences x 30 layers scattered over the
+    cache, and with 4 KiB pages nearly every block costs a TLB miss (measured: decode
+    attention 13% faster on huge pages).
     """
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    numel = 1
-    for dim in shape:
-        numel *= dim
+    numel = math.prod(shape)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    raw = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8))
-    advise_huge_pages(raw)
-    return raw.view(dtype).view(shape)
-
-
-_MADV_HUGEPAGE = 14
-_HUGE_PAGE = 2 << 20
-
-
-def advise_huge_pages(buffer: torch.Tensor) -> bool:
-    """Ask Linux to back ``buffer`` (not yet touched) with 2 MiB pages where it is
-    transparent-huge-page enabled ("madvise" mode included). Decode attention reads the blocks
-    of 64 sequences x 30 layers scattered over the cache; with 4 KiB pages nearly every block
-    costs a TLB miss (measured: decode attention 13% faster on huge pages). A no-op elsewhere."""
-    if not sys.platform.startswith("linux") or buffer.numel() * buffer.element_size() < 2 * _HUGE_PAGE:
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        start = -(-buffer.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
-        end = (buffer.data_ptr() + buffer.numel() * buffer.element_size()) // _HUGE_PAGE * _HUGE_PAGE
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        return libc.madvise(ctypes.c_void_p(start), end - start, _MADV_HUGEPAGE) == 0
-    except (OSError, AttributeError):
-        return False
+    return huge_page_buffer(nbytes).view(dtype).view(shape)
 
 
 def rank_thread_config(config: EngineConfig, rank: int) -> EngineConfig:
