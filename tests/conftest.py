@@ -1,12 +1,12 @@
-import ctypes
 import fcntl
-import gc
 import os
 import sys
 from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
+
+from memory_release import release_memory
 
 sys.path.insert(0, str(Path(__file__).parent / "models"))
 
@@ -84,17 +84,6 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         from ingot.model_executor.layers.cpu_kernels import load_quant_kernels
 
         _kernels_or_skip(load_quant_kernels, "quant", "ingot's GGUF-quantized CPU kernels")
-
-
-def release_memory() -> None:
-    """Collect reference cycles (engines, logit sets), then hand the freed heap back to the
-    system (glibc keeps it otherwise)."""
-    gc.collect()
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None).malloc_trim(0)
-        except (OSError, AttributeError):  # not glibc
-            pass
 
 
 @pytest.fixture(scope="module", autouse=True)

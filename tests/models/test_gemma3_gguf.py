@@ -35,11 +35,11 @@ import pytest
 import torch
 from logit_gate import gate_sums, window_logits
 
-from conftest import release_memory
 from faults import fails
 from ingot import LLM
 from ingot.accuracy.ingot_runner import local_worker
 from ingot.model_executor.layers.linear import LinearBase
+from memory_release import release_memory
 
 pytestmark = pytest.mark.slow
 
